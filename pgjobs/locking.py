@@ -1,0 +1,45 @@
+"""The group lock: a transaction-level advisory lock taken without waiting.
+
+Every job of a group runs under
+``pg_try_advisory_xact_lock(hashtextextended('<namespace>:<group>', 0))``.
+The loser of a race does not queue behind the winner (that is how a
+periodic recompute used to wait minutes, or deadlock); it returns ``busy``
+at once and tries again at its next tick. The lock lives as long as the
+job's transaction: commit, rollback or a dead client releases it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+DEFAULT_NAMESPACE = "pgjobs"
+
+_TRY_XACT = text("select pg_try_advisory_xact_lock(hashtextextended(:key, 0))")
+_TRY_SESSION = text("select pg_try_advisory_lock(hashtextextended(:key, 0))")
+_UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
+
+
+def lock_name(namespace: str, group: str) -> str:
+    """The text hashed into the lock key: ``'<namespace>:<group>'``."""
+    return f"{namespace}:{group}"
+
+
+def try_group_lock(conn: Connection, namespace: str, group: str) -> bool:
+    """Try to take the group's lock for the current transaction; never waits.
+
+    Must run inside the job's transaction (never in autocommit, where the
+    lock would be released as soon as it is taken).
+    """
+    if not conn.in_transaction():
+        raise RuntimeError("try_group_lock must run inside the job's transaction")
+    return bool(conn.execute(_TRY_XACT, {"key": lock_name(namespace, group)}).scalar_one())
+
+
+def try_session_lock(conn: Connection, namespace: str, group: str) -> bool:
+    """The same lock at session level, held across commits by chunked writes."""
+    return bool(conn.execute(_TRY_SESSION, {"key": lock_name(namespace, group)}).scalar_one())
+
+
+def release_session_lock(conn: Connection, namespace: str, group: str) -> None:
+    conn.execute(_UNLOCK_SESSION, {"key": lock_name(namespace, group)})

@@ -1,0 +1,90 @@
+"""What a run produces: :class:`DiffStats`, :class:`RunResult` and the outcomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+
+class Outcome(StrEnum):
+    """How one tick of a job ended."""
+
+    RAN = "ran"  #: the job ran and committed
+    IDLE = "idle"  #: ``has_work`` said there was nothing to do; no lock was taken
+    BUSY = "busy"  #: another transaction holds the group lock; nothing was done
+    BACKING_OFF = "backing_off"  #: the job failed recently and waits for ``next_attempt_at``
+    NOT_DUE = "not_due"  #: it ran less than one interval ago (here or on another replica)
+    FAILED = "failed"  #: the job raised; its transaction was rolled back
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiffStats:
+    """What the diff writer did to the target table."""
+
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    skipped_missing_parent: int = 0
+    unchanged: int = 0
+
+    @property
+    def changed(self) -> int:
+        """Rows written: inserted + updated + deleted."""
+        return self.inserted + self.updated + self.deleted
+
+    def __add__(self, other: DiffStats) -> DiffStats:
+        return DiffStats(
+            inserted=self.inserted + other.inserted,
+            updated=self.updated + other.updated,
+            deleted=self.deleted + other.deleted,
+            skipped_missing_parent=self.skipped_missing_parent + other.skipped_missing_parent,
+            unchanged=self.unchanged + other.unchanged,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Execution:
+    """What a job's body reports back to the runner (internal to job kinds)."""
+
+    stats: DiffStats = field(default_factory=DiffStats)
+    compute_seconds: float = 0.0
+    write_seconds: float = 0.0
+    lock_seconds: float = 0.0  #: time from the first row lock to the end of the writes
+    items: int = 0  #: queue items processed (queue jobs)
+    failed_items: int = 0  #: queue items that failed and were isolated (queue jobs)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult:
+    """The result of one tick of a job (:func:`pgjobs.run_once`)."""
+
+    job: str
+    outcome: Outcome
+    started_at: datetime
+    finished_at: datetime
+    stats: DiffStats = field(default_factory=DiffStats)
+    compute_seconds: float = 0.0
+    write_seconds: float = 0.0
+    lock_seconds: float = 0.0
+    items: int = 0
+    failed_items: int = 0
+    error: str | None = None
+    sqlstate: str | None = None
+    next_attempt_at: datetime | None = None
+    #: for a ``busy`` periodic job: try again after this rather than a full interval
+    retry_after: timedelta | None = None
+    run_id: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the tick."""
+        return (self.finished_at - self.started_at).total_seconds()
+
+    @property
+    def ok(self) -> bool:
+        """Everything but ``failed``."""
+        return self.outcome is not Outcome.FAILED

@@ -1,0 +1,367 @@
+"""The run protocol, the same for every job at every tick.
+
+1. **Due?**   read ``job_state``; backing off or run recently elsewhere: stop (no lock).
+2. **Work?**  ``job.check_work`` in a short read-only transaction; nothing: ``idle`` (no lock).
+3. **Lock.**  begin the job transaction, ``pg_try_advisory_xact_lock``; taken by
+   another transaction: ``busy``, roll back at once. Re-read the state under the
+   lock: a replica may have finished the job between steps 1 and 3.
+4. **Run.**   ``SET LOCAL lock_timeout`` / ``statement_timeout``; ``job.execute``.
+5. **Commit** the writes together with the job's new state and its run record,
+   which releases the lock.
+6. **Record** any other outcome in ``pgjobs.run``; a failure also sets
+   ``next_attempt_at = now + backoff`` in ``pgjobs.job_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Engine
+
+from .database import resolve_engine
+from .errors import ConfigError
+from .jobs import Job
+from .locking import (
+    DEFAULT_NAMESPACE,
+    release_session_lock,
+    try_group_lock,
+    try_session_lock,
+)
+from .results import Execution, Outcome, RunResult
+from .store import DEFAULT_SCHEMA, JobState, Store
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+#: ``progress(phase, done, total)``: phases are "compute", "diff", "write", ...
+Progress = Callable[[str, int | None, int | None], None]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """What a job's body may use besides its connection."""
+
+    job: Job
+    namespace: str
+    store: Store
+    now: datetime
+    progress: Progress | None = None
+    #: commit what is written so far and continue in a new transaction, the
+    #: group still locked; only for jobs that write in chunks
+    checkpoint: Callable[[], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+
+def _slack(interval: timedelta | None) -> timedelta:
+    """Tolerance for timer jitter: a tick that fires a hair before one interval
+    has passed still counts as due (10 % of the interval, at most 1 s)."""
+    if interval is None:
+        return timedelta(seconds=1)
+    return min(interval / 10, timedelta(seconds=1))
+
+
+def _error_text(exc: BaseException) -> str:
+    message = f"{type(exc).__name__}: {exc}".strip()
+    return message if len(message) <= 4000 else message[:3997] + "..."
+
+
+class Runner:
+    """Runs jobs under the protocol against one database.
+
+    ``database``: a URL, an :class:`~sqlalchemy.engine.Engine` or ``None`` for
+    ``$PGJOBS_DATABASE_URL``. ``clock`` is injectable so that schedules can be
+    simulated; every timestamp pgjobs stores comes from it.
+    """
+
+    def __init__(
+        self,
+        database: str | Engine | None = None,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        schema: str = DEFAULT_SCHEMA,
+        clock: Clock = utcnow,
+        worker: str | None = None,
+    ) -> None:
+        if not isinstance(namespace, str) or not namespace:
+            raise ConfigError(f"namespace: expected a non-empty string, got {namespace!r}")
+        self.engine, self._owned = resolve_engine(database)
+        self.namespace = namespace
+        self.store = Store(schema)
+        self.clock = clock
+        self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+
+    def close(self) -> None:
+        """Dispose of the engine if this runner created it."""
+        if self._owned:
+            self.engine.dispose()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def install(self) -> None:
+        """Create pgjobs' schema if it is missing (also done by the first tick)."""
+        with self.engine.connect() as conn:
+            self.store.ensure(conn)
+
+    # -- the protocol ------------------------------------------------------
+    def tick(
+        self,
+        job: Job,
+        *,
+        progress: Progress | None = None,
+        next_due: datetime | None = None,
+        force: bool = False,
+    ) -> RunResult:
+        """Run one tick of ``job`` and return its :class:`RunResult`.
+
+        ``next_due``: for cron jobs, the scheduler's next fire time (so other
+        replicas know the job is done until then). ``force`` ignores the
+        schedule and the backoff (never the lock).
+        """
+        with self.engine.connect() as conn:
+            self.store.ensure(conn)
+            return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
+
+    def tick_on(
+        self,
+        conn: Connection,
+        job: Job,
+        *,
+        progress: Progress | None = None,
+        next_due: datetime | None = None,
+        force: bool = False,
+    ) -> RunResult:
+        """:meth:`tick` on a connection of the caller's (not in a transaction)."""
+        started = self.clock()
+
+        def finish(outcome: Outcome, **fields: Any) -> RunResult:
+            result = RunResult(
+                job=job.name, outcome=outcome, started_at=started, finished_at=self.clock(), **fields
+            )
+            return self._record(conn, result)
+
+        # 1. Due? One indexed read, no lock.
+        with conn.begin():
+            state = self.store.read_state(conn, job.name)
+        blocked = None if force else self._not_due(job, state, started)
+        if blocked is not None:
+            return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
+
+        ctx = RunContext(job=job, namespace=self.namespace, store=self.store, now=started, progress=progress)
+
+        # 2. Work? A short read-only transaction, no lock.
+        try:
+            with conn.begin():
+                conn.execute(text("set transaction read only"))
+                has_work = job.check_work(conn, ctx)
+        except Exception as exc:
+            return self._fail(conn, job, state, started, exc)
+        if not has_work:
+            return finish(Outcome.IDLE)
+
+        # 3. Lock, never wait.
+        trans = conn.begin()
+        session_locked = False
+        try:
+            if not try_group_lock(conn, self.namespace, job.group or job.name):
+                trans.rollback()
+                return finish(Outcome.BUSY, retry_after=self._busy_retry(job))
+            # Re-check under the lock: a replica may have run the job meanwhile.
+            state = self.store.read_state(conn, job.name)
+            blocked = None if force else self._not_due(job, state, started)
+            if blocked is not None:
+                trans.rollback()
+                return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
+
+            # 4. Run.
+            self._set_timeouts(conn, job)
+            if getattr(job, "chunk_parents", None):
+                session_locked = try_session_lock(conn, self.namespace, job.group or job.name)
+
+                def checkpoint() -> None:
+                    nonlocal trans
+                    trans.commit()
+                    trans = conn.begin()
+                    self._set_timeouts(conn, job)
+
+                ctx.checkpoint = checkpoint
+            execution = job.execute(conn, ctx)
+
+            # 5. Commit the writes with the job's state and run record.
+            next_attempt = self._next_after_success(job, started, next_due)
+            self.store.record_success(conn, job.name, started_at=started, next_attempt_at=next_attempt)
+            result = self._result(job, Outcome.RAN, started, execution, next_attempt)
+            run_id = self.store.insert_run(conn, result, self.worker)
+            trans.commit()
+        except Exception as exc:
+            if trans.is_active:
+                trans.rollback()
+            return self._fail(conn, job, state, started, exc)
+        finally:
+            if session_locked:
+                self._release_session_lock(conn, job)
+        log.info(
+            "pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats
+        )
+        return _with_run_id(result, run_id)
+
+    # -- helpers -------------------------------------------------------------
+    def _not_due(self, job: Job, state: JobState | None, now: datetime) -> Outcome | None:
+        if state is None or state.next_attempt_at is None:
+            return None
+        if state.failures > 0:
+            return Outcome.BACKING_OFF if now < state.next_attempt_at else None
+        if now + _slack(job.interval) < state.next_attempt_at:
+            return Outcome.NOT_DUE
+        return None
+
+    def _next_after_success(self, job: Job, started: datetime, next_due: datetime | None) -> datetime:
+        if job.interval is not None:
+            return started + job.interval
+        return next_due if next_due is not None else started
+
+    def _busy_retry(self, job: Job) -> timedelta | None:
+        retry = job.busy_retry
+        if not isinstance(retry, timedelta):
+            return None
+        if job.interval is not None and retry >= job.interval:
+            return None
+        return retry
+
+    def _set_timeouts(self, conn: Connection, job: Job) -> None:
+        for name in ("lock_timeout", "statement_timeout"):
+            value = getattr(job, name)
+            assert isinstance(value, timedelta)
+            conn.execute(
+                text("select set_config(:name, :value, true)"),
+                {"name": name, "value": f"{int(value.total_seconds() * 1000)}ms"},
+            )
+
+    def _release_session_lock(self, conn: Connection, job: Job) -> None:
+        try:
+            with conn.begin():
+                release_session_lock(conn, self.namespace, job.group or job.name)
+        except Exception:
+            # A pooled connection must never go back holding the group lock.
+            log.warning("pgjobs: could not release the session lock of %s; dropping the connection", job.name)
+            conn.invalidate()
+
+    def _result(
+        self, job: Job, outcome: Outcome, started: datetime, ex: Execution, next_attempt: datetime | None
+    ) -> RunResult:
+        return RunResult(
+            job=job.name,
+            outcome=outcome,
+            started_at=started,
+            finished_at=self.clock(),
+            stats=ex.stats,
+            compute_seconds=ex.compute_seconds,
+            write_seconds=ex.write_seconds,
+            lock_seconds=ex.lock_seconds,
+            items=ex.items,
+            failed_items=ex.failed_items,
+            next_attempt_at=next_attempt,
+            detail=dict(ex.detail),
+        )
+
+    def _fail(
+        self, conn: Connection, job: Job, state: JobState | None, started: datetime, exc: Exception
+    ) -> RunResult:
+        from ._pg import sqlstate_of
+
+        failures = (state.failures if state else 0) + 1
+        next_attempt = self.clock() + job.backoff_policy.delay(failures)
+        sqlstate = sqlstate_of(exc)
+        error = _error_text(exc)
+        log.error(
+            "pgjobs: %s failed (%s), next attempt at %s", job.name, sqlstate or type(exc).__name__,
+            next_attempt.isoformat(), exc_info=exc,
+        )
+        result = RunResult(
+            job=job.name,
+            outcome=Outcome.FAILED,
+            started_at=started,
+            finished_at=self.clock(),
+            error=error,
+            sqlstate=sqlstate,
+            next_attempt_at=next_attempt,
+        )
+        try:
+            if conn.invalidated:
+                raise RuntimeError("connection lost")
+            with conn.begin():
+                self.store.record_failure(
+                    conn, job.name, started_at=started, failures=failures,
+                    next_attempt_at=next_attempt, error=error, sqlstate=sqlstate,
+                )
+                run_id = self.store.insert_run(conn, result, self.worker)
+            return _with_run_id(result, run_id)
+        except Exception:
+            with self.engine.connect() as other, other.begin():
+                self.store.record_failure(
+                    other, job.name, started_at=started, failures=failures,
+                    next_attempt_at=next_attempt, error=error, sqlstate=sqlstate,
+                )
+                run_id = self.store.insert_run(other, result, self.worker)
+            return _with_run_id(result, run_id)
+
+    def _record(self, conn: Connection, result: RunResult) -> RunResult:
+        with conn.begin():
+            run_id = self.store.insert_run(conn, result, self.worker)
+        return _with_run_id(result, run_id)
+
+    def prune(self, keep: timedelta = timedelta(days=7)) -> int:
+        """Delete run records older than ``keep``; returns how many."""
+        with self.engine.connect() as conn:
+            self.store.ensure(conn)
+            with conn.begin():
+                return self.store.prune(conn, keep=keep, now=self.clock())
+
+
+def _with_run_id(result: RunResult, run_id: int) -> RunResult:
+    from dataclasses import replace
+
+    return replace(result, run_id=run_id)
+
+
+def run_once(
+    job: Job | str,
+    database: str | Engine | None = None,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    schema: str = DEFAULT_SCHEMA,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Run one tick of ``job`` (a job object or a registered name).
+
+    >>> result = pgjobs.run_once(job, database="postgresql://localhost/app")
+    >>> result.outcome, result.stats
+    """
+    if isinstance(job, str):
+        from .registry import get_registry
+
+        job = get_registry().get(job)
+    with Runner(database, namespace=namespace, schema=schema) as runner:
+        return runner.tick(job, force=force, progress=progress)
+
+
+__all__ = ["RunContext", "Runner", "run_once"]

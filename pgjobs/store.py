@@ -1,0 +1,234 @@
+"""pgjobs' own tables: job state, the run log and the queue.
+
+The schema (``pgjobs`` unless configured) is created on first use by
+numbered migrations in ``pgjobs/sql/NNN_*.sql``. Creation is idempotent and
+safe when several processes start at once: the fast path reads the version
+with no lock; otherwise the migrations run under a blocking advisory lock
+(the only place pgjobs waits for a lock, once, at install time).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import Any
+
+from psycopg import errors, sql
+from sqlalchemy.engine import Connection
+
+from ._pg import execute
+from .results import RunResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEMA = "pgjobs"
+
+
+def _migrations() -> list[tuple[int, str]]:
+    files = []
+    for entry in resources.files("pgjobs").joinpath("sql").iterdir():
+        match = re.fullmatch(r"(\d+)_.*\.sql", entry.name)
+        if match:
+            files.append((int(match.group(1)), entry.read_text(encoding="utf-8")))
+    return sorted(files)
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    job: str
+    next_attempt_at: datetime | None
+    failures: int
+    last_success_at: datetime | None = None
+    last_failure_at: datetime | None = None
+    last_error: str | None = None
+
+
+class Store:
+    """Reads and writes pgjobs' tables in ``schema``."""
+
+    def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
+        self.schema = schema
+        self._s = sql.Identifier(schema)
+        self._ready = False
+
+    def table(self, name: str) -> sql.Identifier:
+        return sql.Identifier(self.schema, name)
+
+    # -- installation ------------------------------------------------------
+    def ensure(self, conn: Connection) -> None:
+        """Create or upgrade the schema; cheap after the first call."""
+        if self._ready:
+            return
+        migrations = _migrations()
+        latest = migrations[-1][0]
+        with conn.begin():
+            current = self._version(conn)
+        if current < latest:
+            with conn.begin():
+                execute(
+                    conn,
+                    "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    (f"pgjobs-store:{self.schema}",),
+                )
+                execute(conn, sql.SQL("create schema if not exists {}").format(self._s))
+                execute(
+                    conn,
+                    sql.SQL(
+                        "create table if not exists {} (version integer primary key,"
+                        " applied_at timestamptz not null default now())"
+                    ).format(self.table("schema_version")),
+                )
+                current = self._version(conn)
+                for number, text in migrations:
+                    if number > current:
+                        log.info("pgjobs: applying store migration %03d in schema %s", number, self.schema)
+                        execute(conn, sql.SQL(text).format(schema=self._s))  # type: ignore[arg-type]
+                        execute(
+                            conn,
+                            sql.SQL("insert into {} (version) values (%s)").format(
+                                self.table("schema_version")
+                            ),
+                            (number,),
+                        )
+        self._ready = True
+
+    def _version(self, conn: Connection) -> int:
+        try:
+            with conn.begin_nested():
+                row = execute(
+                    conn, sql.SQL("select max(version) from {}").format(self.table("schema_version"))
+                ).fetchone()
+        except Exception as exc:  # undefined schema or table: not installed yet
+            if isinstance(getattr(exc, "orig", exc), errors.UndefinedTable | errors.InvalidSchemaName):
+                return 0
+            raise
+        return int(row[0]) if row and row[0] is not None else 0
+
+    # -- job state ---------------------------------------------------------
+    def read_state(self, conn: Connection, job: str) -> JobState | None:
+        row = execute(
+            conn,
+            sql.SQL(
+                "select next_attempt_at, failures, last_success_at, last_failure_at, last_error"
+                " from {} where job = %s"
+            ).format(self.table("job_state")),
+            (job,),
+        ).fetchone()
+        if row is None:
+            return None
+        return JobState(job, row[0], row[1], row[2], row[3], row[4])
+
+    def record_success(
+        self, conn: Connection, job: str, *, started_at: datetime, next_attempt_at: datetime
+    ) -> None:
+        execute(
+            conn,
+            sql.SQL(
+                "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
+                " last_success_at, updated_at) values (%(job)s, %(next)s, 0, %(started)s,"
+                " %(now)s, %(now)s)"
+                " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
+                " failures = 0, last_started_at = excluded.last_started_at,"
+                " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at"
+            ).format(self.table("job_state")),
+            {"job": job, "next": next_attempt_at, "started": started_at, "now": started_at},
+        )
+
+    def record_failure(
+        self,
+        conn: Connection,
+        job: str,
+        *,
+        started_at: datetime,
+        failures: int,
+        next_attempt_at: datetime,
+        error: str,
+        sqlstate: str | None,
+    ) -> None:
+        execute(
+            conn,
+            sql.SQL(
+                "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
+                " last_failure_at, last_error, last_sqlstate, updated_at)"
+                " values (%(job)s, %(next)s, %(failures)s, %(started)s, %(started)s, %(error)s,"
+                " %(sqlstate)s, %(started)s)"
+                " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
+                " failures = excluded.failures, last_started_at = excluded.last_started_at,"
+                " last_failure_at = excluded.last_failure_at, last_error = excluded.last_error,"
+                " last_sqlstate = excluded.last_sqlstate, updated_at = excluded.updated_at"
+            ).format(self.table("job_state")),
+            {
+                "job": job,
+                "next": next_attempt_at,
+                "failures": failures,
+                "started": started_at,
+                "error": error,
+                "sqlstate": sqlstate,
+            },
+        )
+
+    def reset(self, conn: Connection, job: str) -> None:
+        """Forget a job's backoff (``pgjobs once --force`` and tests)."""
+        execute(
+            conn,
+            sql.SQL("update {} set next_attempt_at = null, failures = 0 where job = %s").format(
+                self.table("job_state")
+            ),
+            (job,),
+        )
+
+    # -- run log -----------------------------------------------------------
+    def insert_run(self, conn: Connection, result: RunResult, worker: str) -> int:
+        s = result.stats
+        row = execute(
+            conn,
+            sql.SQL(
+                "insert into {} (job, outcome, started_at, finished_at, compute_ms, write_ms,"
+                " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged, items,"
+                " failed_items, error, sqlstate, worker) values (%s, %s, %s, %s, %s, %s, %s, %s,"
+                " %s, %s, %s, %s, %s, %s, %s, %s, %s) returning id"
+            ).format(self.table("run")),
+            (
+                result.job,
+                str(result.outcome),
+                result.started_at,
+                result.finished_at,
+                result.compute_seconds * 1000,
+                result.write_seconds * 1000,
+                result.lock_seconds * 1000,
+                s.inserted,
+                s.updated,
+                s.deleted,
+                s.skipped_missing_parent,
+                s.unchanged,
+                result.items,
+                result.failed_items,
+                result.error,
+                result.sqlstate,
+                worker,
+            ),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
+        """Delete runs that started more than ``keep`` before ``now``."""
+        cur = execute(
+            conn,
+            sql.SQL("delete from {} where started_at < %s").format(self.table("run")),
+            (now - keep,),
+        )
+        return cur.rowcount
+
+    def recent_runs(self, conn: Connection, job: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        query = sql.SQL(
+            "select id, job, outcome, started_at, finished_at, compute_ms, write_ms, lock_ms,"
+            " inserted, updated, deleted, skipped_missing_parent, unchanged, items, failed_items,"
+            " error, sqlstate, worker from {} {} order by started_at desc, id desc limit %s"
+        ).format(self.table("run"), sql.SQL("where job = %s") if job else sql.SQL(""))
+        cur = execute(conn, query, (job, limit) if job else (limit,))
+        names = [d.name for d in cur.description or ()]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]

@@ -1,0 +1,126 @@
+"""Helpers for testing pgjobs and plugins against a real PostgreSQL.
+
+* :func:`find_server_url` finds a server: ``$PGJOBS_TEST_DSN``, else
+  testcontainers where a Docker engine answers, else an embedded PostgreSQL
+  (the ``embedded`` extra), else it fails saying how to get one. Never skips.
+* :func:`fresh_database` creates a database of its own for one test, and
+  drops it afterwards.
+* :func:`run_tick` runs one tick of a job against a given engine or
+  connection and returns its :class:`~pgjobs.RunResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from .database import normalize_url
+from .errors import PgJobsError
+from .jobs import Job
+from .results import RunResult
+
+ENV_DSN = "PGJOBS_TEST_DSN"
+
+HOW_TO_GET_ONE = (
+    "pgjobs tests need a real PostgreSQL and found none. Provide one of:\n"
+    f"  * ${ENV_DSN}=postgresql://user@host:5432/dbname (a server you run; preferred as root)\n"
+    "  * a running Docker engine (testcontainers starts postgres:16)\n"
+    "  * pip install 'pgjobs[embedded]' (an embedded PostgreSQL in a temporary directory)"
+)
+
+
+def _docker_answers(timeout: float = 3.0) -> bool:
+    """True when a Docker engine answers a ping within ``timeout`` seconds."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        if host.startswith("unix://"):
+            path = host[len("unix://") :]
+            if not os.path.exists(path):
+                return False
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(path)
+                s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+                return b"200 OK" in s.recv(1024)
+        if host.startswith("tcp://"):
+            hostport = host[len("tcp://") :]
+            name, _, port = hostport.partition(":")
+            with socket.create_connection((name, int(port or 2375)), timeout=timeout) as s:
+                s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+                return b"200 OK" in s.recv(1024)
+    except OSError:
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def find_server_url(dsn: str | None = None) -> Iterator[str]:
+    """Yield a ``postgresql+psycopg://`` URL of a server the caller may create
+    databases on; stops whatever it started when the block ends."""
+    dsn = dsn or os.environ.get(ENV_DSN)
+    if dsn:
+        yield normalize_url(dsn)
+        return
+    if _docker_answers():
+        from testcontainers.community.postgres import PostgresContainer  # pragma: no cover - needs Docker
+
+        with PostgresContainer("postgres:16", driver="psycopg") as container:  # pragma: no cover
+            yield container.get_connection_url()
+        return  # pragma: no cover
+    try:
+        from .embedded import embedded_server
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise PgJobsError(HOW_TO_GET_ONE) from exc
+    try:
+        with embedded_server() as url:
+            yield url
+    except ImportError as exc:
+        raise PgJobsError(HOW_TO_GET_ONE) from exc
+
+
+@contextlib.contextmanager
+def fresh_database(server_url: str, *, prefix: str = "pgjobs_test") -> Iterator[str]:
+    """Create an empty database on ``server_url``, yield its URL, drop it."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            raw: Any = conn.connection.driver_connection
+            raw.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+        try:
+            yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                raw = conn.connection.driver_connection
+                raw.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
+    finally:
+        admin.dispose()
+
+
+def run_tick(job: Job, database: Engine | Connection | str, **options: Any) -> RunResult:
+    """Run one tick of ``job`` the way the scheduler would, and return the
+    :class:`~pgjobs.RunResult` to inspect::
+
+        result = run_tick(my_job, engine)
+        assert result.outcome == "ran" and result.stats.inserted == 3
+
+    ``database`` may be a connection not inside a transaction; ``options``
+    go to :class:`~pgjobs.Runner` (``namespace``, ``schema``, ``clock``).
+    """
+    from .runner import Runner
+
+    force = options.pop("force", False)
+    if isinstance(database, Connection):
+        runner = Runner(database.engine, **options)
+        runner.store.ensure(database)
+        return runner.tick_on(database, job, force=force)
+    with Runner(database, **options) as runner:
+        return runner.tick(job, force=force)
