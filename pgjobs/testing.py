@@ -69,21 +69,21 @@ def find_server_url(dsn: str | None = None) -> Iterator[str]:
     if dsn:
         yield normalize_url(dsn)
         return
-    if _docker_answers():
-        from testcontainers.community.postgres import PostgresContainer  # pragma: no cover - needs Docker
+    if _docker_answers():  # pragma: no cover - needs a Docker engine
+        from testcontainers.community.postgres import PostgresContainer
 
         with PostgresContainer("postgres:16", driver="psycopg") as container:  # pragma: no cover
             yield container.get_connection_url()
         return  # pragma: no cover
+    from .embedded import embedded_server, import_pgserver
+
     try:
-        from .embedded import embedded_server
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise PgJobsError(HOW_TO_GET_ONE) from exc
-    try:
-        with embedded_server() as url:
-            yield url
+        import_pgserver()
     except ImportError as exc:
         raise PgJobsError(HOW_TO_GET_ONE) from exc
+    # Outside the try: an ImportError raised by the caller's block is theirs.
+    with embedded_server() as url:
+        yield url
 
 
 @contextlib.contextmanager
