@@ -6,14 +6,19 @@ Every public name is re-exported here; everything else is implementation.
 from __future__ import annotations
 
 from .backoff import Backoff
+from .config import Config, load_config
 from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
+from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
+from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
 from .runner import RunContext, Runner, run_once
+from .scheduler import Scheduler, lifespan
 
 __all__ = [
     "Backoff",
+    "Config",
     "ConfigError",
     "DiffStats",
     "Job",
@@ -24,10 +29,16 @@ __all__ = [
     "PluginError",
     "QueueJob",
     "RecomputeJob",
+    "Registry",
     "RunContext",
     "RunResult",
     "Runner",
+    "Scheduler",
     "TaskJob",
+    "get_registry",
+    "hookimpl",
+    "lifespan",
+    "load_config",
     "parse_duration",
     "run_once",
 ]

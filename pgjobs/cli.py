@@ -1,0 +1,612 @@
+"""The ``pgjobs`` command.
+
+::
+
+    pgjobs run              start the scheduler in the foreground (SIGTERM/SIGINT stop it)
+    pgjobs once JOB         run one tick of JOB now, showing its phases and progress
+    pgjobs list             jobs, owner plugins, kinds, groups and schedules
+    pgjobs status           last outcome, next attempt, failures, rows changed, queue depth
+    pgjobs demo             the demonstration (see ``pgjobs demo --help``)
+
+Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
+``./pgjobs.toml`` when present) and ``--database`` (default
+``$PGJOBS_DATABASE_URL``, else the config file's ``database``).
+
+Exit codes: 0 ok; 1 a job failed (``once``: the tick failed or found its
+group busy; ``status``: a job is failing); 2 a usage, config or plugin error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any, TextIO, TypeVar
+
+import click
+
+from .config import Config, load_config
+from .durations import format_duration
+from .errors import ConfigError, PgJobsError
+from .registry import Registry
+from .results import Outcome, RunResult
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _common(func: F) -> F:
+    func = click.option(
+        "--database",
+        metavar="URL",
+        default=None,
+        help="PostgreSQL URL (default: $PGJOBS_DATABASE_URL, else the config's database).",
+    )(func)
+    func = click.option(
+        "--config",
+        "-c",
+        "config_path",
+        metavar="FILE",
+        default=None,
+        help="Config file (default: $PGJOBS_CONFIG, else ./pgjobs.toml if present).",
+    )(func)
+    return func
+
+
+def _verbosity(func: F) -> F:
+    return click.option("-v", "--verbose", count=True, help="More log output (repeat for more).")(
+        func
+    )
+
+
+class _Fail(Exception):
+    """Leave with an exit code after printing ``message`` to stderr."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Config and plugin errors exit 2; database trouble exits 1, with one readable line."""
+    try:
+        yield
+    except _Fail as exc:
+        if str(exc):
+            click.echo(f"pgjobs: {exc}", err=True)
+        sys.exit(exc.code)
+    except PgJobsError as exc:
+        click.echo(f"pgjobs: error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except Exception as exc:
+        from sqlalchemy.exc import DBAPIError
+
+        if not isinstance(exc, DBAPIError):
+            raise
+        orig = getattr(exc, "orig", None) or exc
+        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+        click.echo(f"pgjobs: database error: {first}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+@contextlib.contextmanager
+def _logging(verbose: int, default: int, *, quiet: Sequence[str] = ()) -> Iterator[None]:
+    """Configure logging for one command (the library never does), and put
+    it back afterwards, so that commands invoked in-process leave no trace."""
+    level = default if verbose == 0 else (logging.INFO if verbose == 1 else logging.DEBUG)
+    root = logging.getLogger()
+    names = ("apscheduler", *quiet)
+    saved = {name: logging.getLogger(name).level for name in names}
+    saved_root = root.level
+    handler: logging.Handler | None = None
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)
+    if verbose < 2:
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    if verbose == 0:
+        for name in quiet:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        root.setLevel(saved_root)
+        for name, value in saved.items():
+            logging.getLogger(name).setLevel(value)
+        if handler is not None:
+            root.removeHandler(handler)
+
+
+def _load(config_path: str | None, database: str | None) -> tuple[Config, Registry, str | None]:
+    config = load_config(config_path)
+    registry = Registry.load(config)
+    return config, registry, config.database_url(database)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pgjobs")
+def cli() -> None:
+    """PostgreSQL background jobs that rewrite derived data without deadlocks."""
+
+
+# -- run -----------------------------------------------------------------------------
+@cli.command()
+@_common
+@_verbosity
+@click.option("--no-check", is_flag=True, help="Skip checking the jobs against the database first.")
+def run(config_path: str | None, database: str | None, verbose: int, no_check: bool) -> None:
+    """Run the scheduler in the foreground until SIGTERM or SIGINT.
+
+    The first signal stops firing and waits for the running transactions to
+    commit or roll back; a second one exits at once (PostgreSQL rolls back).
+    """
+    from .scheduler import Scheduler
+
+    with _errors(), _logging(verbose, logging.INFO):
+        config, registry, url = _load(config_path, database)
+        if not registry.jobs(enabled_only=True):
+            raise ConfigError(
+                "no enabled jobs: install a plugin package, list modules under plugins = [...] "
+                f"or declare jobs in {config.path or 'pgjobs.toml'}"
+            )
+        scheduler = Scheduler.from_config(
+            config, database=url, registry=registry, check=not no_check
+        )
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: object) -> None:
+            if stop.is_set():
+                click.echo(
+                    "pgjobs: second signal, exiting now; open transactions roll back", err=True
+                )
+                os._exit(128 + signum)
+            stop.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            scheduler.start()
+            jobs = registry.jobs(enabled_only=True)
+            click.echo(
+                f"pgjobs: running {len(jobs)} job(s): {', '.join(j.name for j in jobs)}; "
+                "SIGTERM or Ctrl-C stops",
+                err=True,
+            )
+            stop.wait()
+            click.echo("pgjobs: stopping; waiting for running jobs to finish", err=True)
+        finally:
+            scheduler.shutdown(wait=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        click.echo("pgjobs: stopped", err=True)
+
+
+# -- once ----------------------------------------------------------------------------
+class _Progress:
+    """Prints ``progress(phase, done, total)`` to stderr: one line per phase,
+    updated in place on a terminal, at most once a second otherwise."""
+
+    def __init__(self, job: str, stream: TextIO) -> None:
+        self.job = job
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.phase: str | None = None
+        self.last = 0.0
+        self.pending = ""
+
+    def __call__(self, phase: str, done: int | None, total: int | None) -> None:
+        text = f"{self.job}: {phase}"
+        if done is not None and total:
+            text += f" {done:,}/{total:,} ({100 * done // total}%)"
+        elif done is not None:
+            text += f" {done:,}"
+        now = time.monotonic()
+        if phase != self.phase:
+            self.finish()
+            self.phase = phase
+        elif not self.tty and now - self.last < 1.0:
+            self.pending = text
+            return
+        self.last = now
+        self.pending = ""
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the current phase's line (printing its last figures)."""
+        if self.pending and not self.tty:
+            self.stream.write(self.pending + "\n")
+        elif self.tty and self.phase is not None:
+            self.stream.write("\n")
+        self.pending = ""
+        self.stream.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def _summary(result: RunResult) -> str:
+    s = result.stats
+    head = f"{result.job}: {result.outcome} in {result.seconds:.2f}s"
+    if result.outcome is Outcome.RAN:
+        parts = [
+            f"inserted {s.inserted:,}",
+            f"updated {s.updated:,}",
+            f"deleted {s.deleted:,}",
+            f"unchanged {s.unchanged:,}",
+        ]
+        if s.skipped_missing_parent:
+            parts.append(f"skipped (parent gone) {s.skipped_missing_parent:,}")
+        if result.items:
+            parts.append(f"items {result.items:,} ({result.failed_items:,} failed)")
+        timing = (
+            f"compute {result.compute_seconds:.2f}s, write {result.write_seconds:.2f}s, "
+            f"rows locked {result.lock_seconds:.2f}s"
+        )
+        return f"{head}: {', '.join(parts)}; {timing}"
+    if result.outcome is Outcome.FAILED:
+        state = f" (SQLSTATE {result.sqlstate})" if result.sqlstate else ""
+        when = (
+            f"; next scheduled attempt {result.next_attempt_at:%Y-%m-%d %H:%M:%S %Z}"
+            if result.next_attempt_at
+            else ""
+        )
+        return f"{head}: {result.error}{state}{when}"
+    if result.outcome is Outcome.BUSY:
+        return f"{head}: another transaction holds the group lock; nothing was done"
+    if result.outcome is Outcome.IDLE:
+        return f"{head}: nothing to do (has_work said no)"
+    return head
+
+
+@cli.command()
+@click.argument("job")
+@_common
+@_verbosity
+@click.option("--json", "as_json", is_flag=True, help="Print the RunResult as JSON.")
+@click.option("--no-check", is_flag=True, help="Skip checking the job against the database first.")
+def once(
+    job: str,
+    config_path: str | None,
+    database: str | None,
+    verbose: int,
+    as_json: bool,
+    no_check: bool,
+) -> None:
+    """Run one tick of JOB now, ignoring its schedule and backoff (never its lock).
+
+    Phases and progress go to stderr; the outcome to stdout. Exit 1 if the
+    tick failed or found the job's group busy.
+    """
+    from .runner import Runner
+
+    # The summary below reports a failure; the runner's traceback is for -v.
+    with _errors(), _logging(verbose, logging.WARNING, quiet=("pgjobs.runner",)):
+        config, registry, url = _load(config_path, database)
+        target = registry.get(job)
+        if not target.enabled:
+            click.echo(
+                f"pgjobs: note: {job} is disabled (enabled = false); running it anyway", err=True
+            )
+        with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
+            if not no_check:
+                registry.check(runner.engine, [job])
+            progress = _Progress(job, sys.stderr)
+            result = runner.tick(target, force=True, progress=progress)
+            progress.finish()
+        if as_json:
+            click.echo(json.dumps(_jsonable(result), indent=2))
+        else:
+            click.echo(_summary(result))
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY):
+            raise _Fail(EXIT_FAILED, "")
+
+
+# -- list ----------------------------------------------------------------------------
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+@cli.command(name="list")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def list_jobs(config_path: str | None, database: str | None, as_json: bool) -> None:
+    """List the jobs: name, owner plugin, kind, group, schedule."""
+    with _errors():
+        _, registry, _ = _load(config_path, database)
+        rows: list[dict[str, Any]] = [
+            {
+                "job": e.job.name,
+                "owner": e.owner,
+                "kind": e.job.kind,
+                "group": e.job.group,
+                "schedule": e.job.schedule,
+                "enabled": e.job.enabled,
+                "target": getattr(e.job, "target", None),
+            }
+            for e in registry.entries()
+        ]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            click.echo("no jobs (no plugin registers any, and the config declares none)")
+            return
+        click.echo(
+            _table(
+                ["JOB", "OWNER", "KIND", "GROUP", "SCHEDULE", "ENABLED"],
+                [
+                    [
+                        r["job"],
+                        r["owner"],
+                        r["kind"],
+                        r["group"],
+                        r["schedule"],
+                        "yes" if r["enabled"] else "no",
+                    ]
+                    for r in rows
+                ],
+            )
+        )
+
+
+# -- status ----------------------------------------------------------------------------
+def _ago(when: datetime | None, now: datetime) -> str:
+    if when is None:
+        return "-"
+    delta = now - when
+    if delta < timedelta(0):
+        return f"in {format_duration(-delta)}"
+    return f"{format_duration(timedelta(seconds=int(delta.total_seconds())))} ago"
+
+
+def _until(when: datetime | None, now: datetime) -> str:
+    if when is None:
+        return "-"
+    if when <= now:
+        return "due"
+    return f"in {format_duration(timedelta(seconds=int((when - now).total_seconds()) or 1))}"
+
+
+def _queue_stats(conn: Any, schema: str) -> dict[str, dict[str, Any]] | None:
+    """Per-job queue figures from :mod:`pgjobs.queue`, when it is there."""
+    try:
+        from . import queue
+    except ImportError:
+        return None
+    stats_of = getattr(queue, "queue_stats", None)
+    if stats_of is None:
+        return None
+    try:
+        with conn.begin():
+            items = stats_of(conn, schema=schema)
+    except Exception:
+        log.warning("pgjobs: could not read queue statistics", exc_info=True)
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        data = _jsonable(item) if not isinstance(item, Mapping) else dict(item)
+        if isinstance(data, dict) and "job" in data:
+            out[str(data["job"])] = data
+    return out
+
+
+def _status(
+    registry: Registry, config: Config, url: str | None
+) -> tuple[list[dict[str, Any]], datetime]:
+    from psycopg import sql
+
+    from ._pg import driver, execute
+    from .database import resolve_engine
+    from .store import Store
+
+    engine, owned = resolve_engine(url)
+    store = Store(config.schema)
+    states: dict[str, dict[str, Any]] = {}
+    last: dict[str, dict[str, Any]] = {}
+    last_ran: dict[str, dict[str, Any]] = {}
+    queues: dict[str, dict[str, Any]] | None = None
+    latest = sql.SQL("select distinct on (job) * from {} {} order by job, started_at desc, id desc")
+    try:
+        with engine.connect() as conn:
+            with conn.begin():
+                now = _scalar(execute(conn, "select now()"))
+                # Reading must not install pgjobs' tables: status writes nothing.
+                state_table = store.table("job_state").as_string(driver(conn))
+                installed = _scalar(
+                    execute(conn, "select to_regclass(%s) is not null", (state_table,))
+                )
+                if installed:
+                    states = _rows_by_job(
+                        execute(conn, sql.SQL("select * from {}").format(store.table("job_state")))
+                    )
+                    last = _rows_by_job(
+                        execute(conn, latest.format(store.table("run"), sql.SQL("")))
+                    )
+                    last_ran = _rows_by_job(
+                        execute(
+                            conn,
+                            latest.format(store.table("run"), sql.SQL("where outcome = 'ran'")),
+                        )
+                    )
+            if installed:
+                queues = _queue_stats(conn, config.schema)
+    finally:
+        if owned:
+            engine.dispose()
+    names = [e.job.name for e in registry.entries()]
+    names += sorted(set(states) - set(names))  # jobs no longer registered still have state
+    rows = []
+    for name in names:
+        state, run, ran = states.get(name, {}), last.get(name, {}), last_ran.get(name, {})
+        changed = None
+        if ran:
+            changed = {k: ran[k] for k in ("inserted", "updated", "deleted")}
+        rows.append(
+            {
+                "job": name,
+                "registered": name in registry,
+                "last_outcome": run.get("outcome"),
+                "last_at": run.get("finished_at"),
+                "last_ran_at": ran.get("finished_at"),
+                "next_attempt_at": state.get("next_attempt_at"),
+                "failures": state.get("failures", 0),
+                "last_error": state.get("last_error"),
+                "last_sqlstate": state.get("last_sqlstate"),
+                "rows_changed": changed,
+                "queue": None if queues is None else queues.get(name),
+            }
+        )
+    return rows, now
+
+
+def _scalar(cursor: Any) -> Any:
+    row = cursor.fetchone()
+    return row[0] if row else None
+
+
+def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
+    names = [d.name for d in cursor.description or ()]
+    job = names.index("job")
+    return {row[job]: dict(zip(names, row, strict=True)) for row in cursor}
+
+
+@cli.command()
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(config_path: str | None, database: str | None, as_json: bool) -> None:
+    """Each job's last outcome, next attempt, failures, rows changed and queue depth.
+
+    Exit 1 while a job is failing (backing off), for health checks.
+    """
+    with _errors():
+        config, registry, url = _load(config_path, database)
+        rows, now = _status(registry, config, url)
+        if as_json:
+            click.echo(json.dumps(_jsonable({"now": now, "jobs": rows}), indent=2))
+        else:
+            table = []
+            for r in rows:
+                changed = r["rows_changed"]
+                changed_text = (
+                    "-"
+                    if changed is None
+                    else f"{sum(changed.values()):,} (+{changed['inserted']} "
+                    f"~{changed['updated']} -{changed['deleted']})"
+                )
+                queue = r["queue"]
+                queue_text = "-"
+                if queue is not None:
+                    queue_text = str(queue.get("depth", "?"))
+                    if queue.get("dead"):
+                        queue_text += f" ({queue['dead']} dead)"
+                table.append(
+                    [
+                        r["job"] + ("" if r["registered"] else " (unregistered)"),
+                        r["last_outcome"] or "never ran",
+                        _ago(r["last_at"], now),
+                        _until(r["next_attempt_at"], now),
+                        str(r["failures"]),
+                        changed_text,
+                        queue_text,
+                    ]
+                )
+            headers = [
+                "JOB",
+                "LAST OUTCOME",
+                "WHEN",
+                "NEXT ATTEMPT",
+                "FAILURES",
+                "ROWS CHANGED",
+                "QUEUE",
+            ]
+            click.echo(_table(headers, table) if table else "no jobs")
+            for r in rows:
+                if r["failures"]:
+                    state = f" (SQLSTATE {r['last_sqlstate']})" if r["last_sqlstate"] else ""
+                    click.echo(
+                        f"\n{r['job']}: failing ({r['failures']}x){state}: {r['last_error']}"
+                    )
+        if any(r["failures"] for r in rows):
+            raise _Fail(EXIT_FAILED, "")
+
+
+# -- demo ----------------------------------------------------------------------------
+@cli.command()
+@click.option(
+    "--database", metavar="URL", default=None, help="Where to run (default: $PGJOBS_DATABASE_URL)."
+)
+@click.option("--seconds", type=float, default=None, help="How long each phase runs.")
+@click.option(
+    "--naive", is_flag=True, default=None, help="Also run the naive recompute, for comparison."
+)
+@click.option("--exams", type=int, default=None, help="Parent rows to create.")
+@click.option("--students", type=int, default=None, help="Derived rows per parent.")
+@click.option(
+    "--compute-seconds", type=float, default=None, help="Simulated compute time of a recompute."
+)
+@click.option("--recompute-every", type=float, default=None, help="Recompute interval, in seconds.")
+@click.option("--users", type=int, default=None, help="Concurrent simulated users.")
+@click.option("--seed", type=int, default=None, help="Random seed.")
+def demo(**options: Any) -> None:
+    """The field report's scenario: a queue worker, a periodic recompute and
+    users deleting rows, naive vs pgjobs, with deadlock and FK-failure counts."""
+    try:
+        module = importlib.import_module("pgjobs.demo")
+    except ModuleNotFoundError as exc:
+        if exc.name != "pgjobs.demo":
+            raise
+        click.echo(
+            "pgjobs: the demo is not part of this installation (no module pgjobs.demo)", err=True
+        )
+        sys.exit(EXIT_FAILED)
+    accepted = inspect.signature(module.main).parameters
+    given = {k: v for k, v in options.items() if v is not None and k in accepted}
+    code = module.main(**given)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The ``pgjobs`` console script."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="pgjobs")
+
+
+if __name__ == "__main__":
+    main()

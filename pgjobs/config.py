@@ -1,0 +1,507 @@
+"""``pgjobs.toml``: the database, the lock namespace, plugin modules, and jobs.
+
+::
+
+    database = "postgresql://app@db/app"   # or $PGJOBS_DATABASE_URL
+    namespace = "myapp"                     # advisory-lock namespace
+    plugins = ["myapp.jobs"]                # modules with @pgjobs.hookimpl functions
+    keep_runs = "7d"                        # prune pgjobs.run older than this ...
+    prune_every = "1h"                      # ... this often (under `pgjobs run`)
+
+    [jobs.exam-scores]                      # a plugin's job: override its settings
+    every = "5m"
+    backoff = "1h"
+    enabled = true
+
+    [jobs.daily-totals]                     # a job declared here, no Python
+    kind = "recompute"
+    target = "daily_total"
+    sql_file = "sql/daily_totals.sql"       # relative to this file (or: sql = "select ...")
+    every = "10m"
+
+A table under ``[jobs]`` *with* ``kind`` declares a job (``recompute``,
+``queue`` or ``task``); one *without* overrides a job some plugin registers.
+Unknown keys are errors, and every error names the file, the key path
+(``jobs.exam-scores.every``) and the bad value.
+
+Modules named in ``plugins`` are imported with the config file's directory
+on ``sys.path``, so a ``jobs.py`` next to ``pgjobs.toml`` works as is.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import zoneinfo
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .backoff import Backoff
+from .durations import parse_duration
+from .errors import ConfigError
+from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
+from .locking import DEFAULT_NAMESPACE
+from .results import DiffStats
+from .store import DEFAULT_SCHEMA
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+#: Where ``pgjobs`` looks for its config when none is given.
+ENV_CONFIG = "PGJOBS_CONFIG"
+DEFAULT_FILE = "pgjobs.toml"
+
+_TOP_KEYS = (
+    "database",
+    "namespace",
+    "schema",
+    "plugins",
+    "timezone",
+    "keep_runs",
+    "prune_every",
+    "jobs",
+)
+#: keys that override a registered job's settings (also allowed on declared jobs)
+OVERRIDE_KEYS = (
+    "every",
+    "cron",
+    "group",
+    "backoff",
+    "batch_size",
+    "lock_timeout",
+    "statement_timeout",
+    "busy_retry",
+    "enabled",
+)
+_KIND_KEYS: dict[str, tuple[str, ...]] = {
+    "recompute": ("target", "sql", "sql_file", "key", "parents", "chunk_parents", "description"),
+    "queue": (
+        "target",
+        "sql",
+        "sql_file",
+        "key",
+        "scope",
+        "parents",
+        "max_attempts",
+        "item_backoff",
+        "description",
+    ),
+    "task": ("sql", "sql_file", "description"),
+}
+_BACKOFF_KEYS = ("initial", "factor", "max", "jitter")
+_PARENT_KEYS = ("table", "columns", "parent_columns")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobOverride:
+    """What a ``[jobs.NAME]`` table without ``kind`` changes on a registered job.
+
+    ``None`` leaves a setting as the plugin made it.
+    """
+
+    every: timedelta | None = None
+    cron: str | None = None
+    group: str | None = None
+    backoff: Backoff | None = None
+    batch_size: int | None = None
+    lock_timeout: timedelta | None = None
+    statement_timeout: timedelta | None = None
+    busy_retry: timedelta | None = None
+    enabled: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.cron is not None:
+            raise ConfigError("every, cron: give one of them, not both")
+
+    def apply(self, job: Job) -> Job:
+        """``job`` with these settings; raises :class:`ConfigError` if they don't fit it."""
+        changes: dict[str, Any] = {
+            name: getattr(self, name) for name in OVERRIDE_KEYS if getattr(self, name) is not None
+        }
+        if self.every is not None:
+            changes["cron"] = None
+        if self.cron is not None:
+            changes["every"] = None
+        if self.batch_size is not None and not isinstance(job, QueueJob):
+            raise ConfigError(
+                f"batch_size: applies to queue jobs; {job.name!r} is a {job.kind} job, "
+                f"got {self.batch_size!r}"
+            )
+        return job.replace(**changes) if changes else job
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """A parsed ``pgjobs.toml`` (or the defaults, when there is no file).
+
+    Build it with :func:`load_config`; ``path`` is the file it came from.
+    """
+
+    path: Path | None = None
+    #: database URL; ``$PGJOBS_DATABASE_URL`` wins over it (see :meth:`database_url`)
+    database: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    schema: str = DEFAULT_SCHEMA
+    #: modules imported and registered as plugins
+    plugins: tuple[str, ...] = ()
+    #: the time zone of cron schedules
+    timezone: str = "UTC"
+    #: run records older than this are pruned by the scheduler
+    keep_runs: timedelta = timedelta(days=7)
+    prune_every: timedelta = timedelta(hours=1)
+    #: jobs declared entirely in the file
+    jobs: tuple[Job, ...] = ()
+    #: settings changed on jobs that plugins register, by job name
+    overrides: Mapping[str, JobOverride] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "schema"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(
+                    f"{self.source}: {name}: expected a non-empty string, got {value!r}"
+                )
+        try:
+            zoneinfo.ZoneInfo(self.timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"{self.source}: timezone: expected an IANA time zone such as 'UTC' or "
+                f"'Europe/Paris', got {self.timezone!r}"
+            ) from exc
+        if self.prune_every <= timedelta(0):
+            raise ConfigError(
+                f"{self.source}: prune_every: must be positive, got {self.prune_every!r}"
+            )
+
+    @property
+    def source(self) -> str:
+        """The file name errors start with."""
+        return str(self.path) if self.path is not None else "<no config file>"
+
+    def database_url(
+        self, override: str | None = None, *, env: Mapping[str, str] | None = None
+    ) -> str | None:
+        """The database to use: ``override`` (``--database``), else
+        ``$PGJOBS_DATABASE_URL``, else the file's ``database``."""
+        from .database import ENV_URL
+
+        environ = os.environ if env is None else env
+        return override or environ.get(ENV_URL) or self.database
+
+
+def find_config(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> Path | None:
+    """The config file to read: ``path``, else ``$PGJOBS_CONFIG``, else
+    ``./pgjobs.toml`` when it exists, else ``None``. A file named explicitly
+    (argument or variable) must exist."""
+    environ = os.environ if env is None else env
+    named = path if path is not None else environ.get(ENV_CONFIG) or None
+    if named is not None:
+        candidate = Path(named)
+        if not candidate.is_file():
+            origin = "--config" if path is not None else f"${ENV_CONFIG}"
+            raise ConfigError(f"{origin}: no such config file: {str(named)!r}")
+        return candidate
+    default = Path(DEFAULT_FILE)
+    return default if default.is_file() else None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> Config:
+    """Read the config file (see :func:`find_config`); the defaults when there is none.
+
+    >>> config = pgjobs.load_config("pgjobs.toml")
+    >>> [job.name for job in config.jobs]
+    """
+    found = find_config(path, env=env)
+    if found is None:
+        return Config()
+    try:
+        data = tomllib.loads(found.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{found}: not valid TOML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{found}: cannot read the config file: {exc}") from exc
+    return parse_config(data, path=found)
+
+
+def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
+    """Build a :class:`Config` from an already-parsed TOML document."""
+    return _Parser(path).config(data)
+
+
+class _Parser:
+    """Turns a TOML document into a :class:`Config`; every error names the
+    file, the key path and the value."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.source = str(path) if path is not None else "<config>"
+
+    def fail(self, key: str, problem: str, value: Any) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {problem}, got {value!r}")
+
+    def wrap(self, key: str, exc: ConfigError) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {exc}")
+
+    # -- scalar readers ------------------------------------------------------
+    def check_keys(self, table: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+        for key in table:
+            if key not in allowed:
+                path = f"{where}.{key}" if where else key
+                raise ConfigError(
+                    f"{self.source}: {path}: unknown key (expected one of: {', '.join(allowed)}), "
+                    f"got {key!r} = {table[key]!r}"
+                )
+
+    def text(self, value: Any, key: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(key, "expected a non-empty string", value)
+        return value
+
+    def names(self, value: Any, key: str) -> tuple[str, ...]:
+        items = (value,) if isinstance(value, str) else value
+        if (
+            not isinstance(items, list | tuple)
+            or not items
+            or not all(isinstance(v, str) and v for v in items)
+        ):
+            raise self.fail(key, "expected a column name or a list of column names", value)
+        return tuple(items)
+
+    def duration(self, value: Any, key: str) -> timedelta:
+        try:
+            return parse_duration(value, field=key)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.source}: {exc}") from None
+
+    def positive_int(self, value: Any, key: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise self.fail(key, "expected a positive integer", value)
+        return value
+
+    def boolean(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, "expected true or false", value)
+        return value
+
+    def backoff(self, value: Any, key: str) -> Backoff:
+        if isinstance(value, dict):
+            self.check_keys(value, _BACKOFF_KEYS, key)
+            fields = dict(value)
+            for name in ("initial", "max"):
+                if name in fields:
+                    fields[name] = self.duration(fields[name], f"{key}.{name}")
+            try:
+                return Backoff(**fields)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.source}: {key}: {exc}") from None
+        return Backoff(initial=self.duration(value, key))
+
+    def target(self, value: Any, key: str) -> str:
+        text = self.text(value, key)
+        parts = text.split(".")
+        if len(parts) > 2 or not all(parts):
+            raise self.fail(key, "expected a table name, 'table' or 'schema.table'", value)
+        return text
+
+    # -- the document --------------------------------------------------------
+    def config(self, data: Mapping[str, Any]) -> Config:
+        self.check_keys(data, _TOP_KEYS, "")
+        fields: dict[str, Any] = {"path": self.path}
+        if "database" in data:
+            url = self.text(data["database"], "database")
+            if not url.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
+                raise self.fail("database", "expected a postgresql:// URL", url)
+            fields["database"] = url
+        for name in ("namespace", "schema", "timezone"):
+            if name in data:
+                fields[name] = self.text(data[name], name)
+        if "plugins" in data:
+            plugins = data["plugins"]
+            if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+                raise self.fail("plugins", "expected a list of module names", plugins)
+            fields["plugins"] = tuple(plugins)
+        for name in ("keep_runs", "prune_every"):
+            if name in data:
+                fields[name] = self.duration(data[name], name)
+        jobs = data.get("jobs", {})
+        if not isinstance(jobs, dict):
+            raise self.fail("jobs", "expected a table of jobs ([jobs.NAME])", jobs)
+        declared: list[Job] = []
+        overrides: dict[str, JobOverride] = {}
+        for name, table in jobs.items():
+            where = f"jobs.{name}"
+            if not isinstance(table, dict):
+                raise self.fail(where, "expected a table ([jobs.NAME])", table)
+            if "kind" in table:
+                declared.append(self.job(name, table, where))
+            else:
+                overrides[name] = self.override(table, where, allowed=OVERRIDE_KEYS)
+        fields["jobs"] = tuple(declared)
+        fields["overrides"] = overrides
+        return Config(**fields)
+
+    def override(
+        self, table: Mapping[str, Any], where: str, *, allowed: tuple[str, ...]
+    ) -> JobOverride:
+        if not table:
+            raise self.fail(
+                where, "expected settings to override, or kind = ... to declare a job", {}
+            )
+        self.check_keys(table, allowed, where)
+        fields: dict[str, Any] = {}
+        for name, value in table.items():
+            key = f"{where}.{name}"
+            if name in ("every", "lock_timeout", "statement_timeout", "busy_retry"):
+                fields[name] = self.duration(value, key)
+            elif name in ("cron", "group"):
+                fields[name] = self.text(value, key)
+            elif name == "backoff":
+                fields[name] = self.backoff(value, key)
+            elif name == "batch_size":
+                fields[name] = self.positive_int(value, key)
+            elif name == "enabled":
+                fields[name] = self.boolean(value, key)
+        try:
+            return JobOverride(**fields)
+        except ConfigError as exc:
+            raise self.wrap(where, exc) from None
+
+    def job(self, name: str, table: Mapping[str, Any], where: str) -> Job:
+        kind = table["kind"]
+        if kind not in _KIND_KEYS:
+            raise self.fail(f"{where}.kind", f"expected one of {', '.join(_KIND_KEYS)}", kind)
+        allowed = ("kind", *_KIND_KEYS[kind], *OVERRIDE_KEYS)
+        self.check_keys(table, allowed, where)
+        if kind != "queue" and "batch_size" in table:
+            raise self.fail(
+                f"{where}.batch_size",
+                f"applies to queue jobs, not {kind} jobs",
+                table["batch_size"],
+            )
+        query = self.query(table, where)
+        fields: dict[str, Any] = {"name": name}
+        if kind in ("recompute", "queue"):
+            if "target" not in table:
+                raise self.fail(f"{where}.target", "required: the table this job writes", None)
+            fields["target"] = self.target(table["target"], f"{where}.target")
+            fields["compute"] = query
+            if "key" in table:
+                fields["key"] = self.names(table["key"], f"{where}.key")
+            if "parents" in table:
+                fields["parents"] = self.parents(table["parents"], f"{where}.parents")
+        if kind == "recompute" and "chunk_parents" in table:
+            fields["chunk_parents"] = self.positive_int(
+                table["chunk_parents"], f"{where}.chunk_parents"
+            )
+        if kind == "queue":
+            if "scope" not in table:
+                raise self.fail(
+                    f"{where}.scope", "required: the column(s) that tie an item to its rows", None
+                )
+            fields["scope"] = self.names(table["scope"], f"{where}.scope")
+            if "max_attempts" in table:
+                fields["max_attempts"] = self.positive_int(
+                    table["max_attempts"], f"{where}.max_attempts"
+                )
+            if "item_backoff" in table:
+                fields["item_backoff"] = self.backoff(
+                    table["item_backoff"], f"{where}.item_backoff"
+                )
+        if kind == "task":
+            fields["run"] = sql_task(query)
+        if "description" in table:
+            fields["description"] = self.text(table["description"], f"{where}.description")
+        settings = {k: v for k, v in table.items() if k in OVERRIDE_KEYS}
+        override = (
+            self.override(settings, where, allowed=OVERRIDE_KEYS) if settings else JobOverride()
+        )
+        for setting in OVERRIDE_KEYS:
+            value = getattr(override, setting)
+            if value is not None:
+                fields[setting] = value
+        if override.cron is not None:
+            fields["every"] = None
+        cls: type[Job] = {"recompute": RecomputeJob, "queue": QueueJob, "task": TaskJob}[kind]
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise self.wrap(where, exc) from None
+
+    def query(self, table: Mapping[str, Any], where: str) -> str:
+        if "sql" in table and "sql_file" in table:
+            raise self.fail(
+                f"{where}.sql_file", "give sql or sql_file, not both", table["sql_file"]
+            )
+        if "sql" in table:
+            return self.text(table["sql"], f"{where}.sql")
+        if "sql_file" not in table:
+            raise self.fail(
+                f"{where}.sql", "required: the query (sql = ...) or a file (sql_file = ...)", None
+            )
+        key = f"{where}.sql_file"
+        name = self.text(table["sql_file"], key)
+        base = self.path.parent if self.path is not None else Path.cwd()
+        file = base / name
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise self.fail(
+                key, f"cannot read {str(file)!r} ({exc.__class__.__name__})", name
+            ) from exc
+        if not text.strip():
+            raise self.fail(key, f"{str(file)!r} is empty", name)
+        return text
+
+    def parents(self, value: Any, key: str) -> tuple[Parent, ...]:
+        if not isinstance(value, list):
+            raise self.fail(
+                key, "expected a list of {table, columns, parent_columns} tables", value
+            )
+        out = []
+        for i, item in enumerate(value):
+            where = f"{key}[{i}]"
+            if not isinstance(item, dict):
+                raise self.fail(where, "expected a table {table, columns, parent_columns}", item)
+            self.check_keys(item, _PARENT_KEYS, where)
+            for required in _PARENT_KEYS:
+                if required not in item:
+                    raise self.fail(f"{where}.{required}", "required", None)
+            try:
+                out.append(
+                    Parent(
+                        table=self.target(item["table"], f"{where}.table"),
+                        columns=self.names(item["columns"], f"{where}.columns"),
+                        parent_columns=self.names(
+                            item["parent_columns"], f"{where}.parent_columns"
+                        ),
+                    )
+                )
+            except ConfigError as exc:
+                if str(exc).startswith(self.source):
+                    raise
+                raise self.wrap(where, exc) from None
+        return tuple(out)
+
+
+def sql_task(query: str) -> Callable[[Connection], DiffStats | None]:
+    """The body of a config-declared ``task`` job: run ``query`` (one or more
+    statements) in the job's transaction."""
+
+    def run(conn: Connection) -> DiffStats | None:
+        from ._pg import execute
+
+        execute(conn, query)
+        return None
+
+    run.__qualname__ = run.__name__ = "sql_task"
+    return run
+
+
+__all__ = ["Config", "JobOverride", "find_config", "load_config", "parse_config"]

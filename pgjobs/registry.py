@@ -1,0 +1,510 @@
+"""The job registry: plugins, config-declared jobs and their owners.
+
+The only module that talks to pluggy's hooks. Building a registry
+(:meth:`Registry.load`):
+
+1. ``$PGJOBS_DISABLE_PLUGINS=a,b`` blocks those plugins (entry-point or
+   distribution names, or config module names);
+2. installed plugins are loaded from the ``pgjobs`` entry-point group, all
+   of them or only those ``$PGJOBS_LOAD_PLUGINS=a,b`` names (empty: none);
+3. the modules the config file lists under ``plugins`` are imported and
+   registered, then any plugin objects passed in;
+4. ``check_pending()`` refuses hook implementations with no matching spec
+   (a misspelt hook name);
+5. each plugin's ``pgjobs_register_jobs(register)`` runs; ``register``
+   validates the job, refuses a name already taken (naming both owners)
+   and remembers the owner;
+6. the config file's own jobs are added and its overrides applied;
+7. jobs that write one table must share a group: otherwise refused.
+
+A plugin that fails while loading or registering is a
+:class:`~pgjobs.PluginError` naming it. (A job that fails while it *runs*
+is a failed run, recorded by the runner, not an error here.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from . import hookspecs
+from ._pg import driver, qualified, sqlstate_of
+from .config import Config, load_config
+from .errors import ConfigError, PluginError
+from .jobs import Job, QueueJob, RecomputeJob
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection, Engine
+
+log = logging.getLogger(__name__)
+
+ENV_LOAD = "PGJOBS_LOAD_PLUGINS"
+ENV_DISABLE = "PGJOBS_DISABLE_PLUGINS"
+ENTRY_POINT_GROUP = hookspecs.PROJECT
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _names_from_env(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """A job and who registered it."""
+
+    job: Job
+    #: the plugin's distribution (or module) name, or the config file
+    owner: str
+    #: the config file that declares the job (``None`` for a plugin's job)
+    config: Path | None = None
+
+    @property
+    def where(self) -> str:
+        """How errors about this job start: the config key, or the plugin."""
+        if self.config is not None:
+            return f"{self.config}: jobs.{self.job.name}"
+        return f"job {self.job.name!r} (plugin {self.owner!r})"
+
+    def key(self, setting: str) -> str:
+        """``where`` followed by one setting: ``pgjobs.toml: jobs.x.target``."""
+        return f"{self.where}.{setting}" if self.config is not None else f"{self.where}: {setting}"
+
+
+class Registry:
+    """Jobs by name, each with its owner. Build one with :meth:`load`.
+
+    >>> registry = Registry.load(pgjobs.load_config())
+    >>> [(job.name, registry.owner(job.name)) for job in registry.jobs()]
+    """
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._entries: dict[str, Registered] = {}
+        self._owners: dict[str, str] = {}  # plugin name -> owner shown to users
+        self._filtered = False  # some installed plugins were deliberately not loaded
+
+    # -- building ------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        config: Config | None = None,
+        *,
+        plugins: Iterable[object] = (),
+        entry_points: bool = True,
+        env: Mapping[str, str] | None = None,
+    ) -> Registry:
+        """Load plugins and the config's jobs (the steps in the module docstring).
+
+        ``plugins``: extra plugin objects (modules with ``@pgjobs.hookimpl``
+        functions) for embedders; ``entry_points=False`` skips installed plugins.
+        """
+        config = config or Config()
+        environ = os.environ if env is None else env
+        registry = cls()
+        disabled = {_canonical(n) for n in _names_from_env(environ.get(ENV_DISABLE, ""))}
+        registry._filtered = bool(disabled)
+        if entry_points:
+            only = environ.get(ENV_LOAD)
+            registry._load_entry_points(disabled, None if only is None else _names_from_env(only))
+        registry._load_modules(config, disabled)
+        for plugin in plugins:
+            registry._add_plugin(plugin, getattr(plugin, "__name__", None) or repr(plugin), None)
+        try:
+            registry._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {registry._plugin_name(exc.plugin)!r}: {exc}") from exc
+        registry._collect()
+        registry._add_config(config)
+        registry._check_groups()
+        return registry
+
+    @classmethod
+    def from_jobs(cls, jobs: Iterable[Job], *, owner: str = "application") -> Registry:
+        """A registry of ``jobs`` given directly (no plugins), validated the same way."""
+        registry = cls()
+        for job in jobs:
+            registry._register(job, owner)
+        registry._check_groups()
+        return registry
+
+    def _load_entry_points(self, disabled: set[str], only: list[str] | None) -> None:
+        found = [
+            (dist, ep)
+            for dist in importlib.metadata.distributions()
+            for ep in dist.entry_points
+            if ep.group == ENTRY_POINT_GROUP
+        ]
+        wanted = None if only is None else {_canonical(n) for n in only}
+        if wanted:
+            known = {_canonical(ep.name) for _, ep in found} | {
+                _canonical(d.name) for d, _ in found
+            }
+            missing = sorted(wanted - known)
+            if missing:
+                installed = sorted({ep.name for _, ep in found}) or ["none"]
+                raise PluginError(
+                    f"${ENV_LOAD}: no installed plugin named {', '.join(map(repr, missing))} "
+                    f"(installed: {', '.join(installed)})"
+                )
+        for dist, ep in found:
+            names = {_canonical(ep.name), _canonical(dist.name)}
+            if names & disabled:
+                self._pm.set_blocked(ep.name)
+                continue
+            if wanted is not None and not names & wanted:
+                self._filtered = True
+                continue
+            if self._pm.has_plugin(ep.name):
+                continue  # one distribution seen twice on sys.path
+            try:
+                self._pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} (from {dist.name}) cannot be loaded: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            self._owners[ep.name] = dist.name
+
+    def _load_modules(self, config: Config, disabled: set[str]) -> None:
+        if not config.plugins:
+            return
+        # Modules next to the config file import as they would from that directory.
+        base = str((config.path.parent if config.path else Path.cwd()).resolve())
+        added = base not in sys.path
+        if added:
+            sys.path.insert(0, base)
+        try:
+            for index, name in enumerate(config.plugins):
+                if _canonical(name) in disabled:
+                    self._pm.set_blocked(name)
+                    continue
+                where = f"{config.source}: plugins[{index}]"
+                try:
+                    module = importlib.import_module(name)
+                except ModuleNotFoundError as exc:
+                    if exc.name is not None and (
+                        name == exc.name or name.startswith(exc.name + ".")
+                    ):
+                        raise PluginError(
+                            f"{where}: no module named {name!r} (looked in {base} and sys.path)"
+                        ) from exc
+                    raise PluginError(f"{where}: module {name!r} failed to import: {exc}") from exc
+                except Exception as exc:
+                    raise PluginError(
+                        f"{where}: module {name!r} failed to import: {type(exc).__name__}: {exc}"
+                    ) from exc
+                self._add_plugin(module, name, where)
+        finally:
+            if added:
+                sys.path.remove(base)
+
+    def _add_plugin(self, plugin: object, name: str, where: str | None) -> None:
+        if self._pm.is_registered(plugin) or self._pm.is_blocked(name):
+            return
+        try:
+            self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"{where or 'plugin'} {name!r}: {exc}") from exc
+        except ValueError as exc:  # another plugin already took the name
+            raise PluginError(f"{where or 'plugin'} {name!r}: {exc}") from exc
+        self._owners.setdefault(name, name)
+
+    def _plugin_name(self, plugin: object) -> str:
+        name = self._pm.get_name(plugin)
+        return self._owners.get(name, name) if name else repr(plugin)
+
+    def _collect(self) -> None:
+        plugins = [(name, p) for name, p in self._pm.list_name_plugin() if p is not None]
+        for name, plugin in plugins:
+            owner = self._owners.get(name, name)
+            # One plugin at a time, so that every job is credited to its owner.
+            caller = self._pm.subset_hook_caller(
+                "pgjobs_register_jobs", remove_plugins=[p for _, p in plugins if p is not plugin]
+            )
+
+            def register(job: Job, _owner: str = owner) -> None:
+                self._register(job, _owner)
+
+            try:
+                caller(register=register)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {owner!r}: pgjobs_register_jobs failed: {type(exc).__name__}: {exc}"
+                ) from exc
+
+    def _register(self, job: object, owner: str, config: Path | None = None) -> None:
+        if not isinstance(job, Job):
+            raise PluginError(
+                f"plugin {owner!r} registered {job!r}: expected a pgjobs.RecomputeJob, "
+                "QueueJob or TaskJob"
+            )
+        entry = Registered(job, owner, config)
+        first = self._entries.get(job.name)
+        if first is not None:
+            message = (
+                f"job {job.name!r} is registered twice: by {first.owner!r} and by {owner!r}; "
+                "job names must be unique"
+            )
+            if config is not None:
+                raise ConfigError(f"{entry.where}: {message}")
+            raise PluginError(message)
+        self._entries[job.name] = entry
+
+    def _add_config(self, config: Config) -> None:
+        owner = config.source
+        for job in config.jobs:
+            self._register(job, owner, config.path)
+        for name, override in config.overrides.items():
+            entry = self._entries.get(name)
+            where = f"{config.source}: jobs.{name}"
+            if entry is None:
+                known = ", ".join(sorted(self._entries)) or "none"
+                if self._filtered:
+                    # Its plugin may be the one switched off on purpose.
+                    log.warning(
+                        "pgjobs: %s overrides no registered job (plugins are filtered); ignored",
+                        where,
+                    )
+                    continue
+                raise ConfigError(
+                    f"{where}: no registered job is named {name!r} (registered: {known}); "
+                    "to declare a job here, give it a kind (recompute, queue or task)"
+                )
+            try:
+                job = override.apply(entry.job)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            self._entries[name] = replace(entry, job=job)
+
+    def _check_groups(self) -> None:
+        writers: dict[str, list[Registered]] = {}
+        for entry in self._entries.values():
+            target = getattr(entry.job, "target", None)
+            if target:
+                writers.setdefault(target.split(".")[-1], []).append(entry)
+        for entries in writers.values():
+            for i, a in enumerate(entries):
+                for b in entries[i + 1 :]:
+                    if _same_table(a.job, b.job) and a.job.group != b.job.group:
+                        target = getattr(a.job, "target", "")
+                        raise ConfigError(
+                            f"{a.where} (group {a.job.group!r}) and "
+                            f"{b.where} (group {b.job.group!r}) "
+                            f"both write table {target!r}: jobs that write one table must share a "
+                            "group, so that one advisory lock keeps them from running at once; "
+                            "give them the same group"
+                        )
+
+    # -- reading -------------------------------------------------------------
+    def get(self, name: str) -> Job:
+        """The job named ``name``; :class:`ConfigError` naming it and the known jobs."""
+        entry = self._entries.get(name)
+        if entry is None:
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise ConfigError(f"no job named {name!r} (registered: {known})")
+        return entry.job
+
+    def owner(self, name: str) -> str:
+        """Who registered the job: a plugin's distribution or module name, or the config file."""
+        self.get(name)
+        return self._entries[name].owner
+
+    def entry(self, name: str) -> Registered:
+        """The job ``name`` with its owner."""
+        self.get(name)
+        return self._entries[name]
+
+    def entries(self) -> list[Registered]:
+        """Every registration, by job name."""
+        return [self._entries[name] for name in sorted(self._entries)]
+
+    def jobs(self, *, enabled_only: bool = False) -> list[Job]:
+        """Every job, by name; ``enabled_only`` leaves out ``enabled = false``."""
+        return [e.job for e in self.entries() if e.job.enabled or not enabled_only]
+
+    def plugins(self) -> list[str]:
+        """The loaded plugins, as owners are shown."""
+        return [
+            self._owners.get(name, name) for name, p in self._pm.list_name_plugin() if p is not None
+        ]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self.jobs())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- checking against a database -------------------------------------------
+    def check(self, engine: Engine, names: Iterable[str] | None = None) -> None:
+        """Check jobs against the database before running them, writing nothing:
+        the target table exists, its diff key is usable (a primary key, or
+        NOT NULL columns covered by a unique index), scope and parent columns
+        exist, and SQL given as text runs. Raises :class:`ConfigError` naming
+        the job's config key (or plugin) and what is wrong."""
+        entries = self.entries() if names is None else [self.entry(n) for n in names]
+        entries = [e for e in entries if isinstance(e.job, RecomputeJob | QueueJob)]
+        if not entries:
+            return
+        with engine.connect() as conn:
+            for entry in entries:
+                trans = conn.begin()
+                try:
+                    conn.exec_driver_sql("set transaction read only")
+                    conn.exec_driver_sql("set local statement_timeout = '15s'")
+                    conn.exec_driver_sql("set local lock_timeout = '5s'")
+                    _check_job(conn, entry)
+                finally:
+                    trans.rollback()
+
+
+def _same_table(a: Job, b: Job) -> bool:
+    """Conservatively: ``x`` and ``s.x`` may be one table (search_path)."""
+    ta, tb = getattr(a, "target", ""), getattr(b, "target", "")
+    if ta == tb:
+        return True
+    pa, pb = ta.split("."), tb.split(".")
+    return pa[-1] == pb[-1] and (len(pa) == 1 or len(pb) == 1)
+
+
+_COLUMNS = (
+    "select attnum, attname, attnotnull from pg_attribute"
+    " where attrelid = %s and attnum > 0 and not attisdropped"
+)
+_UNIQUE_INDEXES = (
+    "select indisprimary, indkey::int2[] from pg_index"
+    " where indrelid = %s and indisunique and indpred is null and indexprs is null"
+    " order by indisprimary desc"
+)
+
+
+def _relation(conn: Connection, name: str) -> int | None:
+    try:
+        ident = qualified(name)
+    except ValueError:
+        return None
+    raw = driver(conn)
+    row = raw.execute("select to_regclass(%s)::oid", (ident.as_string(raw),)).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def _check_job(conn: Connection, entry: Registered) -> None:
+    job = entry.job
+    assert isinstance(job, RecomputeJob | QueueJob)
+    raw = driver(conn)
+    table = _relation(conn, job.target)
+    if table is None:
+        raise ConfigError(f"{entry.key('target')}: table {job.target!r} does not exist")
+    columns = {
+        name: (num, notnull) for num, name, notnull in raw.execute(_COLUMNS, (table,)).fetchall()
+    }
+    by_number = {num: name for name, (num, _) in columns.items()}
+    uniques = [
+        (primary, [by_number.get(n) for n in keys])
+        for primary, keys in raw.execute(_UNIQUE_INDEXES, (table,))
+    ]
+    if job.key is None:
+        primary = next((cols for is_pk, cols in uniques if is_pk), None)
+        if primary is None:
+            raise ConfigError(
+                f"{entry.key('key')}: table {job.target!r} has no primary key; name its diff key "
+                '(NOT NULL columns with a unique index), e.g. key = ["id"]'
+            )
+    else:
+        for column in job.key:
+            if column not in columns:
+                raise ConfigError(f"{entry.key('key')}: {job.target!r} has no column {column!r}")
+            if not columns[column][1]:
+                raise ConfigError(
+                    f"{entry.key('key')}: column {column!r} of {job.target!r} is nullable; "
+                    "a diff key must be NOT NULL"
+                )
+        if not any(set(cols) <= set(job.key) for _, cols in uniques):
+            raise ConfigError(
+                f"{entry.key('key')}: no unique index of {job.target!r} covers {list(job.key)}; "
+                "a diff key must identify one row"
+            )
+    if isinstance(job, QueueJob):
+        for column in job.scope:
+            if column not in columns:
+                raise ConfigError(f"{entry.key('scope')}: {job.target!r} has no column {column!r}")
+    for index, parent in enumerate(job.parents):
+        for column in parent.columns:
+            if column not in columns:
+                raise ConfigError(
+                    f"{entry.key(f'parents[{index}].columns')}: "
+                    f"{job.target!r} has no column {column!r}"
+                )
+        if _relation(conn, parent.table) is None:
+            raise ConfigError(
+                f"{entry.key(f'parents[{index}].table')}: table {parent.table!r} does not exist"
+            )
+    if isinstance(job.compute, str):
+        _check_query(conn, entry, job.compute, binds_keys=isinstance(job, QueueJob))
+
+
+def _check_query(conn: Connection, entry: Registered, query: str, *, binds_keys: bool) -> None:
+    from sqlalchemy import text
+
+    body = query.strip().rstrip(";").strip()
+    # LIMIT 0 plans and type-checks the query without computing a row.
+    probe = text("select * from (\n" + body + "\n) as pgjobs_check limit 0")
+    params: dict[str, Any] = {"keys": None} if binds_keys and ":keys" in body else {}
+    try:
+        with conn.begin_nested():
+            conn.execute(probe, params)
+    except Exception as exc:
+        state = sqlstate_of(exc)
+        if binds_keys and state == "42P18":
+            return  # an unbound :keys has no type until a batch exists; the rest parsed
+        orig: Any = getattr(exc, "orig", exc)
+        diag = getattr(orig, "diag", None)
+        message = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
+        field = "sql" if entry.config is not None else "compute"
+        raise ConfigError(
+            f"{entry.key(field)}: the query fails: {message} (SQLSTATE {state})"
+        ) from exc
+
+
+_default: Registry | None = None
+_default_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (:func:`pgjobs.run_once` looks names up in it):
+    installed plugins and the config file :func:`~pgjobs.load_config` finds,
+    loaded on first use. Replace it with :func:`set_registry`."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Registry.load(load_config())
+        return _default
+
+
+def set_registry(registry: Registry | None) -> None:
+    """Make ``registry`` the process-wide one (``None``: load again on next use)."""
+    global _default
+    with _default_lock:
+        _default = registry
+
+
+__all__ = ["ENV_DISABLE", "ENV_LOAD", "Registered", "Registry", "get_registry", "set_registry"]

@@ -1,0 +1,385 @@
+"""Firing jobs on schedule: the one module that imports APScheduler (3.x).
+
+:class:`Scheduler` gives every enabled job one APScheduler entry (an
+interval or a cron trigger) with ``max_instances=1`` and ``coalesce=True``,
+and runs each tick through :class:`~pgjobs.Runner`, so that the run
+protocol decides what actually happens: another replica may have run the
+job already (``not_due``), or hold its group lock (``busy``). A periodic
+job that found its group busy is retried once, ``retry_after`` later,
+rather than a whole interval later. A periodic entry prunes old run records.
+
+The scheduler installs no signal handler and configures no logging; embed
+it in a FastAPI app with :func:`lifespan`::
+
+    app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml"))
+
+:meth:`Scheduler.shutdown` waits for the running ticks, so a job's
+transaction always ends in a commit or a rollback, never half a write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import zoneinfo
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from .durations import Duration, parse_duration
+from .errors import ConfigError
+from .jobs import Job
+from .locking import DEFAULT_NAMESPACE
+from .results import Outcome, RunResult
+from .runner import Runner
+from .store import DEFAULT_SCHEMA
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from .config import Config
+    from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+_PRUNE_ID = "pgjobs:prune"
+
+
+def _entry_id(name: str) -> str:
+    return f"pgjobs:{name}"
+
+
+def _retry_id(name: str) -> str:
+    return f"pgjobs:{name}:busy-retry"
+
+
+class Scheduler:
+    """Runs ``jobs`` on their schedules in background threads.
+
+    ``jobs``: a :class:`~pgjobs.registry.Registry` or job objects (disabled
+    jobs are left out). ``database``: a URL, an Engine, or ``None`` for
+    ``$PGJOBS_DATABASE_URL``. ``check`` verifies the jobs against the
+    database at :meth:`start` (see :meth:`Registry.check`), before anything
+    is written. ``on_result`` is called with every tick's
+    :class:`~pgjobs.RunResult`, from the worker thread.
+
+    >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
+    ...     wait_for_shutdown()
+    """
+
+    def __init__(
+        self,
+        jobs: Registry | Iterable[Job],
+        database: str | Engine | None = None,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        schema: str = DEFAULT_SCHEMA,
+        timezone: str = "UTC",
+        keep_runs: Duration | None = "7d",
+        prune_every: Duration = "1h",
+        max_workers: int = 10,
+        check: bool = True,
+        on_result: Callable[[RunResult], None] | None = None,
+    ) -> None:
+        from .registry import Registry
+
+        self.registry = jobs if isinstance(jobs, Registry) else Registry.from_jobs(jobs)
+        self.jobs = {job.name: job for job in self.registry.jobs(enabled_only=True)}
+        try:
+            self.timezone = zoneinfo.ZoneInfo(timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
+            raise ConfigError(f"timezone: expected an IANA time zone, got {timezone!r}") from exc
+        self.keep_runs = None if keep_runs is None else parse_duration(keep_runs, field="keep_runs")
+        self.prune_every = parse_duration(prune_every, field="prune_every")
+        if self.prune_every <= timedelta(0):
+            raise ConfigError(f"prune_every: must be positive, got {prune_every!r}")
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ConfigError(f"max_workers: expected a positive integer, got {max_workers!r}")
+        self.max_workers = max_workers
+        self.check = check
+        self.on_result = on_result
+        self.runner = Runner(database, namespace=namespace, schema=schema)
+        self._triggers: dict[str, Any] = {}
+        for job in self.jobs.values():
+            if job.cron is not None:
+                try:
+                    self._triggers[job.name] = CronTrigger.from_crontab(
+                        job.cron, timezone=self.timezone
+                    )
+                except ValueError as exc:
+                    raise ConfigError(f"job {job.name!r}: cron: {exc}, got {job.cron!r}") from exc
+            else:
+                assert job.interval is not None
+                self._triggers[job.name] = IntervalTrigger(
+                    seconds=job.interval.total_seconds(), timezone=self.timezone
+                )
+        # A busy-retry entry and the periodic entry are two APScheduler jobs;
+        # this lock keeps them from running one pgjobs job twice at once.
+        self._running = {name: threading.Lock() for name in self.jobs}
+        self._lock = threading.Lock()
+        self._aps: BackgroundScheduler | None = None
+        self._stopping = threading.Event()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config | str | os.PathLike[str] | None = None,
+        *,
+        database: str | Engine | None = None,
+        registry: Registry | None = None,
+        **options: Any,
+    ) -> Scheduler:
+        """A scheduler for the jobs of a config file (and the installed plugins).
+
+        ``config``: a :class:`~pgjobs.config.Config`, a path, or ``None`` for
+        :func:`~pgjobs.load_config`'s search. ``database`` wins over
+        ``$PGJOBS_DATABASE_URL`` and the file's ``database``.
+        """
+        from .config import Config, load_config
+        from .registry import Registry
+
+        if not isinstance(config, Config):
+            config = load_config(config)
+        if registry is None:
+            registry = Registry.load(config)
+        url: str | Engine | None = database
+        if url is None:
+            url = config.database_url()
+        settings: dict[str, Any] = {
+            "namespace": config.namespace,
+            "schema": config.schema,
+            "timezone": config.timezone,
+            "keep_runs": config.keep_runs,
+            "prune_every": config.prune_every,
+        }
+        settings.update(options)
+        return cls(registry, url, **settings)
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`shutdown`."""
+        return self._aps is not None
+
+    def start(self) -> None:
+        """Check the jobs, install pgjobs' tables if needed, and start firing.
+
+        Returns at once; the jobs run in background threads. The first tick
+        of an interval job is right away (the run protocol skips it if
+        another replica ran the job less than an interval ago).
+        """
+        with self._lock:
+            if self._aps is not None:
+                return
+            if self.check:
+                self.registry.check(self.runner.engine, self.jobs)
+            self.runner.install()
+            self._stopping.clear()
+            aps = BackgroundScheduler(
+                timezone=self.timezone,
+                executors={"default": ThreadPoolExecutor(self.max_workers)},
+                job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
+            )
+            now = datetime.now(self.timezone)
+            for name, job in self.jobs.items():
+                first = now if job.interval is not None else None
+                options: dict[str, Any] = {"next_run_time": first} if first is not None else {}
+                aps.add_job(
+                    self._fire,
+                    self._triggers[name],
+                    args=[name],
+                    id=_entry_id(name),
+                    name=name,
+                    **options,
+                )
+            if self.keep_runs is not None:
+                aps.add_job(
+                    self._prune,
+                    IntervalTrigger(
+                        seconds=self.prune_every.total_seconds(), timezone=self.timezone
+                    ),
+                    id=_PRUNE_ID,
+                    name=_PRUNE_ID,
+                )
+            aps.start()
+            self._aps = aps
+            log.info(
+                "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
+            )
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop firing; with ``wait``, return once the running ticks have
+        committed or rolled back (nothing is cut in the middle of a write)."""
+        with self._lock:
+            aps, self._aps = self._aps, None
+            self._stopping.set()
+        if aps is None:
+            return
+        aps.shutdown(wait=wait)
+        if wait:
+            self.runner.close()
+        log.info("pgjobs: scheduler stopped")
+
+    def __enter__(self) -> Scheduler:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> Scheduler:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # shutdown(wait=True) blocks until the running transaction ends: not on the event loop.
+        await asyncio.to_thread(self.shutdown)
+
+    # -- what the entries call -----------------------------------------------------
+    def run_job(self, name: str) -> RunResult | None:
+        """One tick of the job ``name`` now, as its schedule would fire it.
+
+        ``None`` when that job is already running in this process.
+        """
+        job = self.jobs.get(name)
+        if job is None:
+            raise ConfigError(
+                f"no scheduled job named {name!r} (scheduled: {', '.join(self.jobs) or 'none'})"
+            )
+        running = self._running[name]
+        if not running.acquire(blocking=False):
+            return None
+        try:
+            return self.runner.tick(job, next_due=self._next_due(job))
+        finally:
+            running.release()
+
+    def _fire(self, name: str) -> None:
+        if self._stopping.is_set():
+            return
+        try:
+            result = self.run_job(name)
+        except Exception:
+            # The runner records a job's own failures; this is pgjobs unable to
+            # reach its tables (database down, ...): say so, try at the next tick.
+            log.exception("pgjobs: %s: could not run a tick", name)
+            return
+        if result is None:
+            return
+        if result.outcome is Outcome.BUSY and result.retry_after is not None:
+            self._retry(name, result.retry_after)
+        if self.on_result is not None:
+            try:
+                self.on_result(result)
+            except Exception:
+                log.exception("pgjobs: on_result failed for %s", name)
+
+    def _retry(self, name: str, after: timedelta) -> None:
+        with self._lock:
+            aps = self._aps
+            if aps is None or self._stopping.is_set():
+                return
+            aps.add_job(
+                self._fire,
+                "date",
+                run_date=datetime.now(self.timezone) + after,
+                args=[name],
+                id=_retry_id(name),
+                name=_retry_id(name),
+                replace_existing=True,
+            )
+        log.debug("pgjobs: %s found its group busy; retrying in %s", name, after)
+
+    def _next_due(self, job: Job) -> datetime | None:
+        if job.cron is None:
+            return None
+        now = datetime.now(self.timezone)
+        due: datetime | None = self._triggers[job.name].get_next_fire_time(now, now)
+        return due
+
+    def _prune(self) -> None:
+        if self.keep_runs is None or self._stopping.is_set():
+            return
+        try:
+            deleted = self.runner.prune(self.keep_runs)
+        except Exception:
+            log.exception("pgjobs: could not prune old runs")
+            return
+        if deleted:
+            log.info("pgjobs: pruned %d run record(s) older than %s", deleted, self.keep_runs)
+
+
+class Lifespan:
+    """An async context manager that starts a :class:`Scheduler` and shuts
+    it down; also callable with an app, as FastAPI's ``lifespan=`` wants.
+
+    It yields ``{"pgjobs": scheduler}``: Starlette puts that in the lifespan
+    state, so request handlers find the scheduler as ``request.state.pgjobs``.
+    """
+
+    def __init__(
+        self, target: Scheduler | Config | str | os.PathLike[str] | None, options: dict[str, Any]
+    ) -> None:
+        self._target = target
+        self._options = options
+        self.scheduler: Scheduler | None = None
+
+    def __call__(self, app: object) -> Lifespan:
+        return self
+
+    async def __aenter__(self) -> dict[str, Scheduler]:
+        if isinstance(self._target, Scheduler):
+            scheduler = self._target
+        else:
+            scheduler = await asyncio.to_thread(
+                Scheduler.from_config, self._target, **self._options
+            )
+        await scheduler.__aenter__()
+        self.scheduler = scheduler
+        return {"pgjobs": scheduler}
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            await scheduler.__aexit__(exc_type, exc, tb)
+
+
+def lifespan(
+    scheduler_or_config: Scheduler | Config | str | os.PathLike[str] | None = None, **options: Any
+) -> Lifespan:
+    """A FastAPI/Starlette lifespan that runs pgjobs' scheduler with the app::
+
+        app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml"))
+        # or: async with pgjobs.lifespan(scheduler): ...
+
+    ``scheduler_or_config``: a :class:`Scheduler`, or what
+    :meth:`Scheduler.from_config` takes (``options`` go to it). Installs no
+    signal handler; shutdown waits for the running transaction, off the event loop.
+    """
+    return Lifespan(scheduler_or_config, options)
+
+
+__all__ = ["Lifespan", "Scheduler", "lifespan"]
