@@ -211,6 +211,8 @@ class _Progress:
 
     def __call__(self, phase: str, done: int | None, total: int | None) -> None:
         text = f"{self.job}: {phase}"
+        if done is not None and done < 0:
+            done = total = None  # a count the driver could not give (rowcount -1)
         if done is not None and total:
             text += f" {done:,}/{total:,} ({100 * done // total}%)"
         elif done is not None:

@@ -360,6 +360,8 @@ class _Parser:
             key = f"{where}.{name}"
             if name in ("every", "lock_timeout", "statement_timeout", "busy_retry"):
                 fields[name] = self.duration(value, key)
+                if name == "every" and fields[name] <= timedelta(0):
+                    raise self.fail(key, "must be positive", value)
             elif name in ("cron", "group"):
                 fields[name] = self.text(value, key)
             elif name == "backoff":

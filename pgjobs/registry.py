@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from . import hookspecs
-from ._pg import driver, qualified, sqlstate_of
+from ._pg import sqlstate_of
 from .config import Config, load_config
 from .errors import ConfigError, PluginError
 from .jobs import Job, QueueJob, RecomputeJob
@@ -138,7 +138,7 @@ class Registry:
         """A registry of ``jobs`` given directly (no plugins), validated the same way."""
         registry = cls()
         for job in jobs:
-            registry._register(job, owner)
+            registry._register(job, owner, plugin=False)
         registry._check_groups()
         return registry
 
@@ -249,11 +249,15 @@ class Registry:
                     f"plugin {owner!r}: pgjobs_register_jobs failed: {type(exc).__name__}: {exc}"
                 ) from exc
 
-    def _register(self, job: object, owner: str, config: Path | None = None) -> None:
+    def _register(
+        self, job: object, owner: str, config: Path | None = None, *, plugin: bool = True
+    ) -> None:
+        # A plugin's mistake is a PluginError; the config's or an embedder's a ConfigError.
+        error = PluginError if plugin and config is None else ConfigError
         if not isinstance(job, Job):
-            raise PluginError(
-                f"plugin {owner!r} registered {job!r}: expected a pgjobs.RecomputeJob, "
-                "QueueJob or TaskJob"
+            raise error(
+                f"{'plugin ' if plugin else ''}{owner!r} registered {job!r}: expected a "
+                "pgjobs.RecomputeJob, QueueJob or TaskJob"
             )
         entry = Registered(job, owner, config)
         first = self._entries.get(job.name)
@@ -262,9 +266,7 @@ class Registry:
                 f"job {job.name!r} is registered twice: by {first.owner!r} and by {owner!r}; "
                 "job names must be unique"
             )
-            if config is not None:
-                raise ConfigError(f"{entry.where}: {message}")
-            raise PluginError(message)
+            raise error(f"{entry.where}: {message}" if config is not None else message)
         self._entries[job.name] = entry
 
     def _add_config(self, config: Config) -> None:
@@ -386,103 +388,43 @@ def _same_table(a: Job, b: Job) -> bool:
     return pa[-1] == pb[-1] and (len(pa) == 1 or len(pb) == 1)
 
 
-_COLUMNS = (
-    "select attnum, attname, attnotnull from pg_attribute"
-    " where attrelid = %s and attnum > 0 and not attisdropped"
-)
-_UNIQUE_INDEXES = (
-    "select indisprimary, indkey::int2[] from pg_index"
-    " where indrelid = %s and indisunique and indpred is null and indexprs is null"
-    " order by indisprimary desc"
-)
-
-
-def _relation(conn: Connection, name: str) -> int | None:
-    try:
-        ident = qualified(name)
-    except ValueError:
-        return None
-    raw = driver(conn)
-    row = raw.execute("select to_regclass(%s)::oid", (ident.as_string(raw),)).fetchone()
-    return int(row[0]) if row and row[0] is not None else None
-
-
 def _check_job(conn: Connection, entry: Registered) -> None:
-    job = entry.job
-    assert isinstance(job, RecomputeJob | QueueJob)
-    raw = driver(conn)
-    table = _relation(conn, job.target)
-    if table is None:
-        raise ConfigError(f"{entry.key('target')}: table {job.target!r} does not exist")
-    columns = {
-        name: (num, notnull) for num, name, notnull in raw.execute(_COLUMNS, (table,)).fetchall()
-    }
-    by_number = {num: name for name, (num, _) in columns.items()}
-    uniques = [
-        (primary, [by_number.get(n) for n in keys])
-        for primary, keys in raw.execute(_UNIQUE_INDEXES, (table,))
-    ]
-    if job.key is None:
-        primary = next((cols for is_pk, cols in uniques if is_pk), None)
-        if primary is None:
-            raise ConfigError(
-                f"{entry.key('key')}: table {job.target!r} has no primary key; name its diff key "
-                '(NOT NULL columns with a unique index), e.g. key = ["id"]'
-            )
-    else:
-        for column in job.key:
-            if column not in columns:
-                raise ConfigError(f"{entry.key('key')}: {job.target!r} has no column {column!r}")
-            if not columns[column][1]:
-                raise ConfigError(
-                    f"{entry.key('key')}: column {column!r} of {job.target!r} is nullable; "
-                    "a diff key must be NOT NULL"
-                )
-        if not any(set(cols) <= set(job.key) for _, cols in uniques):
-            raise ConfigError(
-                f"{entry.key('key')}: no unique index of {job.target!r} covers {list(job.key)}; "
-                "a diff key must identify one row"
-            )
-    if isinstance(job, QueueJob):
-        for column in job.scope:
-            if column not in columns:
-                raise ConfigError(f"{entry.key('scope')}: {job.target!r} has no column {column!r}")
-    for index, parent in enumerate(job.parents):
-        for column in parent.columns:
-            if column not in columns:
-                raise ConfigError(
-                    f"{entry.key(f'parents[{index}].columns')}: "
-                    f"{job.target!r} has no column {column!r}"
-                )
-        if _relation(conn, parent.table) is None:
-            raise ConfigError(
-                f"{entry.key(f'parents[{index}].table')}: table {parent.table!r} does not exist"
-            )
-    if isinstance(job.compute, str):
-        _check_query(conn, entry, job.compute, binds_keys=isinstance(job, QueueJob))
-
-
-def _check_query(conn: Connection, entry: Registered, query: str, *, binds_keys: bool) -> None:
     from sqlalchemy import text
 
-    body = query.strip().rstrip(";").strip()
-    # LIMIT 0 plans and type-checks the query without computing a row.
-    probe = text("select * from (\n" + body + "\n) as pgjobs_check limit 0")
-    params: dict[str, Any] = {"keys": None} if binds_keys and ":keys" in body else {}
+    from .staging import _probe_columns, _strip
+    from .target import reflect_target
+
+    job = entry.job
+    assert isinstance(job, RecomputeJob | QueueJob)
     try:
-        with conn.begin_nested():
-            conn.execute(probe, params)
-    except Exception as exc:
-        state = sqlstate_of(exc)
-        if binds_keys and state == "42P18":
-            return  # an unbound :keys has no type until a batch exists; the rest parsed
-        orig: Any = getattr(exc, "orig", exc)
-        diag = getattr(orig, "diag", None)
-        message = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
+        # The diff writer's own reflection: a missing table, a key that is not
+        # NOT NULL + unique, an unknown parent fail here as they would at run time.
+        target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
+        if isinstance(job, QueueJob):
+            missing = [c for c in job.scope if c not in target.types and c not in target.key]
+            if missing:
+                raise ConfigError(f"scope: {job.target!r} has no column(s) {', '.join(missing)}")
+    except ConfigError as exc:
+        raise ConfigError(f"{entry.where}: {exc}") from None
+    # A queue job's SQL may join the batch's keys table, which exists only in
+    # a run; a recompute's SQL is planned (LIMIT 0: no row computed) and its
+    # columns matched against the target, as staging will.
+    if isinstance(job, RecomputeJob) and isinstance(job.compute, str):
         field = "sql" if entry.config is not None else "compute"
-        raise ConfigError(
-            f"{entry.key(field)}: the query fails: {message} (SQLSTATE {state})"
-        ) from exc
+        try:
+            with conn.begin_nested():
+                _probe_columns(conn, target, text(_strip(job.compute)), None)
+        except ConfigError as exc:
+            raise ConfigError(f"{entry.key(field)}: {exc}") from None
+        except Exception as exc:
+            orig: Any = getattr(exc, "orig", exc)
+            diag = getattr(orig, "diag", None)
+            message = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
+            state = sqlstate_of(exc)
+            raise ConfigError(
+                f"{entry.key(field)}: the query fails: {message}"
+                + (f" (SQLSTATE {state})" if state else "")
+            ) from exc
 
 
 _default: Registry | None = None

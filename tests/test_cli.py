@@ -1,0 +1,570 @@
+"""The ``pgjobs`` command against real databases: list, once, status, demo,
+a config-only recompute, and bad inputs that exit 2 having written nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import types
+import uuid
+from collections.abc import Iterator
+from datetime import date
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from pgjobs.cli import _Progress, cli
+
+
+def pgjobs_command() -> list[str]:
+    """The installed console script of the running environment."""
+    script = Path(sys.executable).with_name("pgjobs")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pgjobs.cli"]
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def modules() -> Iterator[list[str]]:
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def plugin_module(directory: Path, modules: list[str], body: str) -> str:
+    name = f"cliplug_{uuid.uuid4().hex[:8]}"
+    (directory / f"{name}.py").write_text("import pgjobs\n\n" + textwrap.dedent(body))
+    modules.append(name)
+    return name
+
+
+def config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# -- list ---------------------------------------------------------------------------------
+def test_list_shows_job_owner_kind_group_and_schedule(tmp_path: Path, modules: list[str]) -> None:
+    name = plugin_module(
+        tmp_path,
+        modules,
+        """
+        @pgjobs.hookimpl
+        def pgjobs_register_jobs(register):
+            register(pgjobs.TaskJob(name="nightly", run=lambda c: 0, every=None, cron="0 3 * * *"))
+        """,
+    )
+    path = config(
+        tmp_path,
+        f"""
+        plugins = ["{name}"]
+
+        [jobs.totals]
+        kind = "recompute"
+        target = "daily_total"
+        sql = "select 1"
+        every = "10m"
+        group = "reports"
+        enabled = false
+        """,
+    )
+    result = invoke("list", "-c", str(path))
+    assert result.exit_code == 0, result.output
+    lines = [line.split() for line in result.output.splitlines()]
+    assert lines[0] == ["JOB", "OWNER", "KIND", "GROUP", "SCHEDULE", "ENABLED"]
+    assert lines[1] == ["nightly", name, "task", "nightly", "cron", "0", "3", "*", "*", "*", "yes"]
+    assert lines[2] == ["totals", str(path), "recompute", "reports", "every", "10m", "no"]
+
+    as_json = json.loads(invoke("list", "-c", str(path), "--json").output)
+    assert as_json[1] == {
+        "job": "totals",
+        "owner": str(path),
+        "kind": "recompute",
+        "group": "reports",
+        "schedule": "every 10m",
+        "enabled": False,
+        "target": "daily_total",
+    }
+
+
+def test_list_with_nothing_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = invoke("list")
+    assert result.exit_code == 0 and "no jobs" in result.output
+
+
+# -- once and status ---------------------------------------------------------------------------
+def columns(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_once_runs_a_job_and_status_reports_it(
+    env_db: str, engine: Engine, tmp_path: Path, modules: list[str]
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("create table log (n int)"))
+    name = plugin_module(
+        tmp_path,
+        modules,
+        """
+        from sqlalchemy import text
+
+        def hello(conn):
+            conn.execute(text("insert into log values (1), (2)"))
+            return pgjobs.DiffStats(inserted=2)
+
+        @pgjobs.hookimpl
+        def pgjobs_register_jobs(register):
+            register(pgjobs.TaskJob(name="hello", run=hello, every="1h"))
+        """,
+    )
+    path = config(
+        tmp_path,
+        f"""
+        plugins = ["{name}"]
+
+        [jobs.broken]
+        kind = "task"
+        sql = "select 1 / 0"
+        backoff = "10m"
+        """,
+    )
+    # Never run: status reads without installing anything.
+    fresh = invoke("status", "-c", str(path))
+    assert fresh.exit_code == 0, fresh.output
+    assert [columns(line)[:2] for line in fresh.output.splitlines()[1:]] == [
+        ["broken", "never ran"],
+        ["hello", "never ran"],
+    ]
+    with engine.connect() as conn:
+        assert not conn.execute(
+            text("select exists (select from pg_namespace where nspname = 'pgjobs')")
+        ).scalar()
+
+    ok = invoke("once", "hello", "-c", str(path))
+    assert ok.exit_code == 0, ok.output + ok.stderr
+    assert ok.stdout.startswith("hello: ran in ")
+    assert "inserted 2, updated 0, deleted 0" in ok.stdout
+    with engine.connect() as conn:
+        assert conn.execute(text("select array_agg(n order by n) from log")).scalar() == [1, 2]
+
+    failed = invoke("once", "broken", "-c", str(path))
+    assert failed.exit_code == 1
+    assert failed.stdout.startswith("broken: failed in ")
+    assert "division by zero" in failed.stdout and "(SQLSTATE 22012)" in failed.stdout
+
+    status = invoke("status", "-c", str(path))
+    assert status.exit_code == 1  # a job is failing
+    lines = status.output.splitlines()
+    assert columns(lines[0]) == [
+        "JOB",
+        "LAST OUTCOME",
+        "WHEN",
+        "NEXT ATTEMPT",
+        "FAILURES",
+        "ROWS CHANGED",
+        "QUEUE",
+    ]
+    broken, hello = columns(lines[1]), columns(lines[2])
+    assert broken[0:2] == ["broken", "failed"] and broken[4:] == ["1", "-", "-"]
+    assert broken[3].startswith("in ") and broken[2].endswith(" ago")
+    assert hello[0:2] == ["hello", "ran"] and hello[4:] == ["0", "2 (+2 ~0 -0)", "-"]
+    assert (
+        "broken: failing (1x) (SQLSTATE 22012): DivisionByZero: division by zero" in status.output
+    )
+
+    report = json.loads(invoke("status", "-c", str(path), "--json").output)
+    jobs = {job["job"]: job for job in report["jobs"]}
+    assert jobs["hello"]["last_outcome"] == "ran" and jobs["hello"]["failures"] == 0
+    assert jobs["hello"]["rows_changed"] == {"inserted": 2, "updated": 0, "deleted": 0}
+    assert jobs["broken"]["failures"] == 1 and jobs["broken"]["last_sqlstate"] == "22012"
+    assert jobs["broken"]["rows_changed"] is None
+    assert jobs["broken"]["next_attempt_at"] > report["now"]
+
+    # Fixed: a successful run clears the failure, and status exits 0 again.
+    path.write_text(path.read_text().replace("select 1 / 0", "select 1"))
+    assert invoke("once", "broken", "-c", str(path)).exit_code == 0
+    assert invoke("status", "-c", str(path)).exit_code == 0
+
+
+def test_status_shows_queue_depth(env_db: str, engine: Engine, tmp_path: Path) -> None:
+    import pgjobs
+    from pgjobs.queue import enqueue
+
+    with engine.begin() as conn:
+        conn.execute(text("create table item_total (item int primary key, n int not null)"))
+    path = config(
+        tmp_path,
+        """
+        [jobs.items]
+        kind = "queue"
+        target = "item_total"
+        scope = "item"
+        sql = "select k as item, 1 as n from unnest(:keys) as k"
+        """,
+    )
+    pgjobs.Runner(engine).install()
+    with engine.begin() as conn:
+        enqueue(conn, "items", [1, 2, 3])
+    report = json.loads(invoke("status", "-c", str(path), "--json").output)
+    assert report["jobs"][0]["queue"]["depth"] == 3
+    table = invoke("status", "-c", str(path)).output
+    assert table.splitlines()[1].split()[-1] == "3"
+
+
+def test_once_of_an_unknown_job_is_a_usage_error(env_db: str, tmp_path: Path) -> None:
+    path = config(tmp_path, "[jobs.a]\nkind = 'task'\nsql = 'select 1'\n")
+    result = invoke("once", "nope", "-c", str(path))
+    assert result.exit_code == 2
+    assert "no job named 'nope' (registered: a)" in result.stderr
+
+
+# -- a config-only recompute ------------------------------------------------------------------
+def test_a_config_only_recompute_runs_from_toml_with_no_user_python(
+    env_db: str, engine: Engine, tmp_path: Path
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text("create table event (id int primary key, day date not null, amount int not null)")
+        )
+        conn.execute(
+            text(
+                "create table daily_total (day date primary key, n int not null,"
+                " total bigint not null)"
+            )
+        )
+        conn.execute(
+            text(
+                "insert into event select g, date '2024-01-01' + (g % 3), g"
+                " from generate_series(1, 30) g"
+            )
+        )
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "sql" / "daily.sql").write_text(
+        "-- one row per day\n"
+        "select day, count(*)::int as n, sum(amount) as total\nfrom event group by day;\n"
+    )
+    path = config(
+        tmp_path,
+        """
+        [jobs.daily-totals]
+        kind = "recompute"
+        target = "daily_total"
+        sql_file = "sql/daily.sql"
+        every = "10m"
+        """,
+    )
+
+    def expected() -> dict[date, tuple[int, int]]:
+        with engine.connect() as conn:
+            events = conn.execute(text("select day, amount from event")).all()
+        out: dict[date, tuple[int, int]] = {}
+        for day, amount in events:
+            n, total = out.get(day, (0, 0))
+            out[day] = (n + 1, total + amount)
+        return out
+
+    def actual() -> dict[date, tuple[int, int]]:
+        with engine.connect() as conn:
+            return {
+                r[0]: (r[1], r[2])
+                for r in conn.execute(text("select day, n, total from daily_total"))
+            }
+
+    env = {**os.environ, "PGJOBS_LOAD_PLUGINS": ""}
+    first = subprocess.run(
+        [*pgjobs_command(), "once", "daily-totals", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.startswith("daily-totals: ran in ")
+    assert "inserted 3, updated 0, deleted 0" in first.stdout
+    for phase in ("compute", "stage", "diff", "write"):
+        assert f"daily-totals: {phase}" in first.stderr, first.stderr
+    assert actual() == expected() and len(expected()) == 3
+
+    with engine.begin() as conn:
+        conn.execute(text("delete from event where day = date '2024-01-02'"))
+        conn.execute(text("update event set amount = amount + 100 where id = 3"))
+        conn.execute(text("insert into event values (100, date '2024-02-01', 5)"))
+    second = subprocess.run(
+        [*pgjobs_command(), "once", "daily-totals", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "inserted 1, updated 1, deleted 1," in second.stdout
+    assert actual() == expected()
+
+
+# -- bad inputs ---------------------------------------------------------------------------------
+GOOD_JOB = """
+[jobs.scores]
+kind = "recompute"
+target = "exam_score"
+sql = "select exam_id, student, 0 as score from exam_score"
+"""
+
+BAD_INPUTS = [
+    # id, pgjobs.toml, extra files, arguments after `-c FILE`, what the message names
+    ("unknown-key", "databse = 'x'\n" + GOOD_JOB, {}, ["once", "scores"], "databse: unknown key"),
+    (
+        "unknown-job-key",
+        GOOD_JOB + "evry = '1m'\n",
+        {},
+        ["once", "scores"],
+        "jobs.scores.evry: unknown key",
+    ),
+    (
+        "bad-duration",
+        GOOD_JOB + "every = 'soon'\n",
+        {},
+        ["once", "scores"],
+        "jobs.scores.every: expected a duration such as '90s', '5m' or '1h', got 'soon'",
+    ),
+    (
+        "bad-kind",
+        GOOD_JOB.replace('"recompute"', '"matview"'),
+        {},
+        ["once", "scores"],
+        "jobs.scores.kind: expected one of recompute, queue, task, got 'matview'",
+    ),
+    ("invalid-toml", GOOD_JOB + "every = \n", {}, ["once", "scores"], "not valid TOML"),
+    (
+        "missing-table",
+        GOOD_JOB.replace('"exam_score"', '"exam_scores"'),
+        {},
+        ["once", "scores"],
+        "jobs.scores: target: table 'exam_scores' does not exist",
+    ),
+    (
+        "no-usable-key",
+        GOOD_JOB.replace('"exam_score"', '"loose"').replace(
+            "exam_id, student, 0 as score from exam_score", "1 as a"
+        ),
+        {},
+        ["once", "scores"],
+        "target public.loose: no primary key",
+    ),
+    (
+        "nullable-key",
+        GOOD_JOB.replace('"exam_score"', '"loose"').replace(
+            "exam_id, student, 0 as score from exam_score", "1 as a"
+        )
+        + "key = 'a'\n",
+        {},
+        ["once", "scores"],
+        "key: column(s) a must be NOT NULL",
+    ),
+    (
+        "sql-fails",
+        GOOD_JOB.replace("0 as score", "scor"),
+        {},
+        ["once", "scores"],
+        'jobs.scores.sql: the query fails: column "scor" does not exist',
+    ),
+    (
+        "sql-wrong-columns",
+        GOOD_JOB.replace("0 as score", "0 as points"),
+        {},
+        ["once", "scores"],
+        "jobs.scores.sql: target public.exam_score: the new rows' SQL returns column(s) points",
+    ),
+    (
+        "missing-sql-file",
+        GOOD_JOB.replace(
+            'sql = "select exam_id, student, 0 as score from exam_score"', 'sql_file = "scores.sql"'
+        ),
+        {},
+        ["once", "scores"],
+        "jobs.scores.sql_file: cannot read",
+    ),
+    (
+        "duplicate-job",
+        'plugins = ["{dup}"]\n' + GOOD_JOB,
+        {"dup": "scores"},
+        ["once", "scores"],
+        "job 'scores' is registered twice: by '{dup}' and by '{path}'",
+    ),
+    (
+        "unknown-plugin-module",
+        'plugins = ["no_such_jobs_module"]\n' + GOOD_JOB,
+        {},
+        ["once", "scores"],
+        "plugins[0]: no module named 'no_such_jobs_module'",
+    ),
+    (
+        "groups-differ",
+        GOOD_JOB + "\n[jobs.worker]\nkind = 'queue'\ntarget = 'exam_score'\nscope = 'exam_id'\n"
+        "sql = 'select 1'\ngroup = 'w'\n",
+        {},
+        ["once", "scores"],
+        "both write table 'exam_score': jobs that write one table must share a group",
+    ),
+    (
+        "override-unknown-job",
+        GOOD_JOB + "\n[jobs.scroes]\nevery = '1m'\n",
+        {},
+        ["once", "scores"],
+        "jobs.scroes: no registered job is named 'scroes'",
+    ),
+    ("unknown-job", GOOD_JOB, {}, ["once", "nope"], "no job named 'nope' (registered: scores)"),
+    (
+        "bad-database-url",
+        GOOD_JOB,
+        {},
+        ["once", "scores", "--database", "mysql://x/y"],
+        "pgjobs needs PostgreSQL through psycopg 3",
+    ),
+    ("run-nothing-enabled", GOOD_JOB + "enabled = false\n", {}, ["run"], "no enabled jobs"),
+    (
+        "run-missing-table",
+        GOOD_JOB.replace('"exam_score"', '"exam_scores"'),
+        {},
+        ["run"],
+        "table 'exam_scores' does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "toml", "plugins", "args", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_inputs_exit_2_naming_what_is_wrong_and_write_nothing(
+    env_db: str,
+    engine: Engine,
+    tmp_path: Path,
+    modules: list[str],
+    case: str,
+    toml: str,
+    plugins: dict[str, str],
+    args: list[str],
+    message: str,
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("create table exam (id int primary key)"))
+        conn.execute(
+            text(
+                "create table exam_score (exam_id int not null references exam,"
+                " student text not null, score int not null, primary key (exam_id, student))"
+            )
+        )
+        conn.execute(text("create table loose (a int, b int)"))
+        conn.execute(text("insert into exam values (1), (2)"))
+        conn.execute(text("insert into exam_score values (1, 'ann', 7), (2, 'bob', 9)"))
+    names = {
+        key: plugin_module(
+            tmp_path,
+            modules,
+            f"""
+            @pgjobs.hookimpl
+            def pgjobs_register_jobs(register):
+                register(pgjobs.TaskJob(name={job!r}, run=lambda conn: None))
+            """,
+        )
+        for key, job in plugins.items()
+    }
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(toml.format(**names))
+    expected = message.format(path=path, **names)
+    command = [*pgjobs_command(), args[0], "-c", str(path), *args[1:]]
+    if args[0] == "run":
+        # A real process: had the check missed, it would be running, and time out.
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        result = CliRunner().invoke(cli, command[len(pgjobs_command()) :], catch_exceptions=False)
+        code, stderr = result.exit_code, result.stderr
+    assert code == 2, stderr
+    assert stderr.startswith("pgjobs: error: "), stderr
+    assert expected in stderr, stderr
+    with engine.connect() as conn:
+        assert not conn.execute(
+            text("select exists (select from pg_namespace where nspname = 'pgjobs')")
+        ).scalar()
+        assert conn.execute(
+            text("select array_agg(score order by exam_id) from exam_score")
+        ).scalar() == [7, 9]
+
+
+def test_usage_errors_exit_2() -> None:
+    assert invoke("once").exit_code == 2
+    assert invoke("frobnicate").exit_code == 2
+    assert invoke("list", "--nope").exit_code == 2
+
+
+# -- progress ----------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_prints_a_line_per_phase_and_throttles_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr("pgjobs.cli.time.monotonic", clock)
+    out = io.StringIO()
+    progress = _Progress("scores", out)
+    progress("compute", None, None)
+    progress("stage", 0, 1000)
+    for done in range(100, 1001, 100):
+        clock.now += 0.25  # ten updates in 2.5 s: one line a second, plus the last
+        progress("stage", done, 1000)
+    progress("write", 3, 3)
+    progress.finish()
+    assert out.getvalue().splitlines() == [
+        "scores: compute",
+        "scores: stage 0/1,000 (0%)",
+        "scores: stage 400/1,000 (40%)",
+        "scores: stage 800/1,000 (80%)",
+        "scores: stage 1,000/1,000 (100%)",
+        "scores: write 3/3 (100%)",
+    ]
+
+
+# -- demo ----------------------------------------------------------------------------------
+def test_demo_passes_its_options_to_pgjobs_demo_main(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, object]] = []
+    fake = types.ModuleType("pgjobs.demo")
+
+    def main(database: str | None = None, *, seconds: float = 30, naive: bool = False) -> int:
+        calls.append({"database": database, "seconds": seconds, "naive": naive})
+        return 3
+
+    fake.main = main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pgjobs.demo", fake)
+    result = invoke("demo", "--seconds", "2.5", "--naive", "--database", "postgresql://h/d")
+    assert result.exit_code == 3
+    assert calls == [{"database": "postgresql://h/d", "seconds": 2.5, "naive": True}]
+    invoke("demo")
+    assert calls[-1] == {"database": None, "seconds": 30, "naive": False}
+
+
+def test_demo_says_so_when_it_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pgjobs.demo", None)  # import fails as if absent
+    result = invoke("demo")
+    assert result.exit_code == 1
+    assert "the demo is not part of this installation" in result.stderr
