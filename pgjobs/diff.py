@@ -534,7 +534,7 @@ _ROLLBACK_PARENTS = sql.SQL("rollback to savepoint pgjobs_parents")
 _RELEASE_PARENTS = sql.SQL("release savepoint pgjobs_parents")
 
 
-def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None) -> _Locked:
+def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: bool) -> _Locked:
     """Lock this pass's parents (step 2) and fill the ``bad`` table with the
     rows that must be skipped (a needed parent is gone) or deferred (busy)."""
     result = _Locked()
@@ -544,7 +544,7 @@ def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None) -> _Locked:
         # Row locks taken after a savepoint are released by rolling back to it.
         execute(conn, _SAVEPOINT_PARENTS)
         busy = _lock_pass(conn, plan, needs)
-        if any(busy):
+        if any(busy) and wait_busy:
             # Never wait holding parent locks: give them all back, wait for the
             # busy parents with nothing held, then lock again, once.
             execute(conn, _ROLLBACK_PARENTS)
@@ -833,6 +833,7 @@ def write_diff(
     chunk_parents: int | None = None,
     checkpoint: Callable[[], None] | None = None,
     progress: Progress | None = None,
+    wait_busy: bool = True,
 ) -> WriteResult:
     """Make ``target`` equal to ``staged`` (within ``scope``), writing only
     the difference; see the module docstring for the order and why.
@@ -847,6 +848,10 @@ def write_diff(
 
     ``progress(phase, done, total)`` is called with "diff", "lock" (before
     each chunk's first row lock) and "write".
+
+    ``wait_busy=False``: never wait for a parent another transaction holds,
+    not even with nothing held; defer its rows at once (for callers that
+    hold locks of their own, such as a queue worker's claimed entries).
     """
     started = time.perf_counter()
 
@@ -898,7 +903,7 @@ def write_diff(
     for n, chunk in enumerate(chunks):
         report("lock", n, len(chunks))
         lock_started = time.perf_counter()
-        locked = _lock_parents(conn, plan, chunk)
+        locked = _lock_parents(conn, plan, chunk, wait_busy)
         written = _write_rows(conn, plan, chunk, locked.bad > 0)
         held = time.perf_counter() - lock_started
         lock_seconds += held
@@ -925,7 +930,7 @@ def write_diff(
         updated=updated,
         deleted=deleted,
         skipped_missing_parent=skipped,
-        unchanged=max(unchanged, 0),
+        unchanged=unchanged,
     )
     if deferred or deferred_deletes:
         log.info(

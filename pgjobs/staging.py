@@ -161,8 +161,11 @@ def _insert_select(
     # type, as it would in an INSERT the user wrote.
     stage_table = table(name, *(column(c) for c in names))
     statement = insert(stage_table).from_select(list(names), query)
-    result = conn.execute(statement, params)
-    return int(result.rowcount)
+    conn.execute(statement, params)
+    # SQLAlchemy reports no rowcount for INSERT ... SELECT; count the rows.
+    counted = execute(conn, sql.SQL("select count(*) from {}").format(sql.Identifier(name)))
+    row = counted.fetchone()
+    return int(row[0]) if row else 0
 
 
 def _check_columns(target: Target, names: Sequence[str], what: str) -> tuple[str, ...]:
@@ -246,8 +249,7 @@ def _copy(
     )
     count = 0
     with pg.cursor() as cur:
-        if binary:
-            cur.adapters.register_dumper(None, _NumericBinaryDumper)
+        cur.adapters.register_dumper(None, _NumericBinaryDumper if binary else _NumericTextDumper)
         with cur.copy(statement) as copy:
             copy.set_types(oids)
             row: Sequence[Any] = ()
@@ -278,6 +280,22 @@ class _NumericBinaryDumper(Dumper):
             return dump_decimal_to_numeric_binary(obj)
         if isinstance(obj, int) and not isinstance(obj, bool):
             return dump_int_to_numeric_binary(obj)
+        raise TypeError(f"cannot dump {type(obj).__name__} as numeric")
+
+
+class _NumericTextDumper(Dumper):
+    """The same for text ``COPY``."""
+
+    format = pq.Format.TEXT
+    oid = _NUMERIC_OID
+
+    def dump(self, obj: Any) -> Buffer | None:
+        if isinstance(obj, float):
+            obj = Decimal(repr(obj))
+        if isinstance(obj, Decimal):
+            return b"NaN" if obj.is_nan() else str(obj).encode()
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return str(obj).encode()
         raise TypeError(f"cannot dump {type(obj).__name__} as numeric")
 
 
