@@ -28,7 +28,9 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     return raw
 
 
-def execute(conn: Connection, query: sql.Composable | str, params: Params = None) -> psycopg.Cursor[Any]:
+def execute(
+    conn: Connection, query: sql.Composable | str, params: Params = None
+) -> psycopg.Cursor[Any]:
     """Execute ``query`` (composed SQL) with ``params`` on ``conn``'s driver connection."""
     return driver(conn).execute(query, params)  # type: ignore[arg-type]
 

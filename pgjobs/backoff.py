@@ -51,7 +51,9 @@ class Backoff:
         """The wait after ``failures`` consecutive failures (``failures >= 1``)."""
         assert isinstance(self.initial, timedelta) and isinstance(self.max, timedelta)
         n = max(failures, 1)
-        seconds = min(self.initial.total_seconds() * self.factor ** (n - 1), self.max.total_seconds())
+        seconds = min(
+            self.initial.total_seconds() * self.factor ** (n - 1), self.max.total_seconds()
+        )
         if self.jitter:
             seconds *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
         return timedelta(seconds=seconds)

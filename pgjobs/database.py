@@ -21,7 +21,9 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def resolve_engine(database: str | Engine | None, *, field: str = "database") -> tuple[Engine, bool]:
+def resolve_engine(
+    database: str | Engine | None, *, field: str = "database"
+) -> tuple[Engine, bool]:
     """Return ``(engine, owned)``; an owned engine is disposed of by the caller.
 
     ``database`` is a URL (``postgresql://`` or ``postgresql+psycopg://``), an

@@ -26,7 +26,9 @@ def parse_duration(value: Duration, *, field: str = "duration") -> timedelta:
     if isinstance(value, timedelta):
         result = value
     elif isinstance(value, bool):
-        raise ConfigError(f"{field}: expected a duration such as '90s', '5m' or '1h', got {value!r}")
+        raise ConfigError(
+            f"{field}: expected a duration such as '90s', '5m' or '1h', got {value!r}"
+        )
     elif isinstance(value, int | float):
         result = timedelta(seconds=value)
     elif isinstance(value, str):
@@ -41,7 +43,9 @@ def parse_duration(value: Duration, *, field: str = "duration") -> timedelta:
                 f"{field}: expected a duration such as '90s', '5m' or '1h', got {value!r}"
             )
     else:
-        raise ConfigError(f"{field}: expected a duration such as '90s', '5m' or '1h', got {value!r}")
+        raise ConfigError(
+            f"{field}: expected a duration such as '90s', '5m' or '1h', got {value!r}"
+        )
     if result < timedelta(0):
         raise ConfigError(f"{field}: must not be negative, got {value!r}")
     return result
@@ -52,7 +56,7 @@ def format_duration(value: timedelta) -> str:
     total = value.total_seconds()
     if total < 1 and total > 0:
         return f"{round(total * 1000)}ms"
-    seconds = int(round(total))
+    seconds = round(total)
     parts = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size:

@@ -48,7 +48,9 @@ class Parent:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", _names(self.columns, "parents.columns"))
-        object.__setattr__(self, "parent_columns", _names(self.parent_columns, "parents.parent_columns"))
+        object.__setattr__(
+            self, "parent_columns", _names(self.parent_columns, "parents.parent_columns")
+        )
         if len(self.columns) != len(self.parent_columns) or not self.columns:
             raise ConfigError(
                 f"parents: {self.table!r} needs as many parent_columns as columns, got "
@@ -115,11 +117,15 @@ class Job:
             if every <= timedelta(0):
                 raise ConfigError(f"{where}: every: must be positive, got {self.every!r}")
             object.__setattr__(self, "every", every)
-        if self.cron is not None and (not isinstance(self.cron, str) or len(self.cron.split()) != 5):
+        if self.cron is not None and (
+            not isinstance(self.cron, str) or len(self.cron.split()) != 5
+        ):
             raise ConfigError(f"{where}: cron: expected 5 crontab fields, got {self.cron!r}")
         object.__setattr__(self, "backoff", Backoff.coerce(self.backoff, field=f"{where}: backoff"))
         for name in ("lock_timeout", "statement_timeout"):
-            object.__setattr__(self, name, parse_duration(getattr(self, name), field=f"{where}: {name}"))
+            object.__setattr__(
+                self, name, parse_duration(getattr(self, name), field=f"{where}: {name}")
+            )
         if self.busy_retry is not None:
             object.__setattr__(
                 self, "busy_retry", parse_duration(self.busy_retry, field=f"{where}: busy_retry")
@@ -201,7 +207,9 @@ class _DiffJob(Job):
             object.__setattr__(self, "key", _names(self.key, f"{where}: key"))
         parents = tuple(self.parents or ())
         if not all(isinstance(p, Parent) for p in parents):
-            raise ConfigError(f"{where}: parents: expected pgjobs.Parent values, got {self.parents!r}")
+            raise ConfigError(
+                f"{where}: parents: expected pgjobs.Parent values, got {self.parents!r}"
+            )
         object.__setattr__(self, "parents", parents)
 
     def _default_group(self) -> str:
@@ -231,11 +239,15 @@ class RecomputeJob(_DiffJob):
         _DiffJob.__post_init__(self)
         where = f"RecomputeJob {self.name!r}"
         if not (callable(self.compute) or (isinstance(self.compute, str) and self.compute.strip())):
-            raise ConfigError(f"{where}: compute: expected a callable or SQL text, got {self.compute!r}")
+            raise ConfigError(
+                f"{where}: compute: expected a callable or SQL text, got {self.compute!r}"
+            )
         if self.chunk_parents is not None and (
             not isinstance(self.chunk_parents, int) or self.chunk_parents < 1
         ):
-            raise ConfigError(f"{where}: chunk_parents: expected a positive integer, got {self.chunk_parents!r}")
+            raise ConfigError(
+                f"{where}: chunk_parents: expected a positive integer, got {self.chunk_parents!r}"
+            )
 
     def execute(self, conn: Connection, ctx: RunContext) -> Execution:
         from .diff import run_recompute
@@ -272,7 +284,9 @@ class QueueJob(_DiffJob):
         if not self.scope:
             raise ConfigError(f"{where}: scope: name the column(s) that tie an item to its rows")
         if not (callable(self.compute) or (isinstance(self.compute, str) and self.compute.strip())):
-            raise ConfigError(f"{where}: compute: expected a callable or SQL text, got {self.compute!r}")
+            raise ConfigError(
+                f"{where}: compute: expected a callable or SQL text, got {self.compute!r}"
+            )
         if self.after is not None and not callable(self.after):
             raise ConfigError(f"{where}: after: expected a callable, got {self.after!r}")
         for name in ("batch_size", "max_attempts"):
@@ -299,5 +313,3 @@ class QueueJob(_DiffJob):
 def job_kinds() -> dict[str, type[Job]]:
     """Job classes by their ``kind`` (used by config files)."""
     return {cls.kind: cls for cls in (RecomputeJob, QueueJob, TaskJob)}
-
-

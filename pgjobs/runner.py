@@ -154,7 +154,11 @@ class Runner:
 
         def finish(outcome: Outcome, **fields: Any) -> RunResult:
             result = RunResult(
-                job=job.name, outcome=outcome, started_at=started, finished_at=self.clock(), **fields
+                job=job.name,
+                outcome=outcome,
+                started_at=started,
+                finished_at=self.clock(),
+                **fields,
             )
             return self._record(conn, result)
 
@@ -165,7 +169,9 @@ class Runner:
         if blocked is not None:
             return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
 
-        ctx = RunContext(job=job, namespace=self.namespace, store=self.store, now=started, progress=progress)
+        ctx = RunContext(
+            job=job, namespace=self.namespace, store=self.store, now=started, progress=progress
+        )
 
         # 2. Work? A short read-only transaction, no lock.
         try:
@@ -207,7 +213,9 @@ class Runner:
 
             # 5. Commit the writes with the job's state and run record.
             next_attempt = self._next_after_success(job, started, next_due)
-            self.store.record_success(conn, job.name, started_at=started, next_attempt_at=next_attempt)
+            self.store.record_success(
+                conn, job.name, started_at=started, next_attempt_at=next_attempt
+            )
             result = self._result(job, Outcome.RAN, started, execution, next_attempt)
             run_id = self.store.insert_run(conn, result, self.worker)
             trans.commit()
@@ -218,9 +226,7 @@ class Runner:
         finally:
             if session_locked:
                 self._release_session_lock(conn, job)
-        log.info(
-            "pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats
-        )
+        log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
         return _with_run_id(result, run_id)
 
     # -- helpers -------------------------------------------------------------
@@ -233,7 +239,9 @@ class Runner:
             return Outcome.NOT_DUE
         return None
 
-    def _next_after_success(self, job: Job, started: datetime, next_due: datetime | None) -> datetime:
+    def _next_after_success(
+        self, job: Job, started: datetime, next_due: datetime | None
+    ) -> datetime:
         if job.interval is not None:
             return started + job.interval
         return next_due if next_due is not None else started
@@ -261,11 +269,19 @@ class Runner:
                 release_session_lock(conn, self.namespace, job.group or job.name)
         except Exception:
             # A pooled connection must never go back holding the group lock.
-            log.warning("pgjobs: could not release the session lock of %s; dropping the connection", job.name)
+            log.warning(
+                "pgjobs: could not release the session lock of %s; dropping the connection",
+                job.name,
+            )
             conn.invalidate()
 
     def _result(
-        self, job: Job, outcome: Outcome, started: datetime, ex: Execution, next_attempt: datetime | None
+        self,
+        job: Job,
+        outcome: Outcome,
+        started: datetime,
+        ex: Execution,
+        next_attempt: datetime | None,
     ) -> RunResult:
         return RunResult(
             job=job.name,
@@ -292,8 +308,11 @@ class Runner:
         sqlstate = sqlstate_of(exc)
         error = _error_text(exc)
         log.error(
-            "pgjobs: %s failed (%s), next attempt at %s", job.name, sqlstate or type(exc).__name__,
-            next_attempt.isoformat(), exc_info=exc,
+            "pgjobs: %s failed (%s), next attempt at %s",
+            job.name,
+            sqlstate or type(exc).__name__,
+            next_attempt.isoformat(),
+            exc_info=exc,
         )
         result = RunResult(
             job=job.name,
@@ -309,16 +328,26 @@ class Runner:
                 raise RuntimeError("connection lost")
             with conn.begin():
                 self.store.record_failure(
-                    conn, job.name, started_at=started, failures=failures,
-                    next_attempt_at=next_attempt, error=error, sqlstate=sqlstate,
+                    conn,
+                    job.name,
+                    started_at=started,
+                    failures=failures,
+                    next_attempt_at=next_attempt,
+                    error=error,
+                    sqlstate=sqlstate,
                 )
                 run_id = self.store.insert_run(conn, result, self.worker)
             return _with_run_id(result, run_id)
         except Exception:
             with self.engine.connect() as other, other.begin():
                 self.store.record_failure(
-                    other, job.name, started_at=started, failures=failures,
-                    next_attempt_at=next_attempt, error=error, sqlstate=sqlstate,
+                    other,
+                    job.name,
+                    started_at=started,
+                    failures=failures,
+                    next_attempt_at=next_attempt,
+                    error=error,
+                    sqlstate=sqlstate,
                 )
                 run_id = self.store.insert_run(other, result, self.worker)
             return _with_run_id(result, run_id)

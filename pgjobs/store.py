@@ -84,8 +84,12 @@ class Store:
                 current = self._version(conn)
                 for number, text in migrations:
                     if number > current:
-                        log.info("pgjobs: applying store migration %03d in schema %s", number, self.schema)
-                        execute(conn, sql.SQL(text).format(schema=self._s))  # type: ignore[arg-type]
+                        log.info(
+                            "pgjobs: applying store migration %03d in schema %s",
+                            number,
+                            self.schema,
+                        )
+                        execute(conn, sql.SQL(text).format(schema=self._s))
                         execute(
                             conn,
                             sql.SQL("insert into {} (version) values (%s)").format(
@@ -99,10 +103,13 @@ class Store:
         try:
             with conn.begin_nested():
                 row = execute(
-                    conn, sql.SQL("select max(version) from {}").format(self.table("schema_version"))
+                    conn,
+                    sql.SQL("select max(version) from {}").format(self.table("schema_version")),
                 ).fetchone()
         except Exception as exc:  # undefined schema or table: not installed yet
-            if isinstance(getattr(exc, "orig", exc), errors.UndefinedTable | errors.InvalidSchemaName):
+            if isinstance(
+                getattr(exc, "orig", exc), errors.UndefinedTable | errors.InvalidSchemaName
+            ):
                 return 0
             raise
         return int(row[0]) if row and row[0] is not None else 0
@@ -223,7 +230,9 @@ class Store:
         )
         return cur.rowcount
 
-    def recent_runs(self, conn: Connection, job: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    def recent_runs(
+        self, conn: Connection, job: str | None = None, limit: int = 50
+    ) -> list[dict[str, Any]]:
         query = sql.SQL(
             "select id, job, outcome, started_at, finished_at, compute_ms, write_ms, lock_ms,"
             " inserted, updated, deleted, skipped_missing_parent, unchanged, items, failed_items,"

@@ -100,7 +100,9 @@ def fresh_database(server_url: str, *, prefix: str = "pgjobs_test") -> Iterator[
         finally:
             with admin.connect() as conn:
                 raw = conn.connection.driver_connection
-                raw.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
+                raw.execute(
+                    sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+                )
     finally:
         admin.dispose()
 

@@ -17,7 +17,9 @@ from pgjobs.testing import ENV_DSN, find_server_url, fresh_database
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--pgjobs-dsn", default=None, help=f"PostgreSQL server for tests (default: ${ENV_DSN})")
+    parser.addoption(
+        "--pgjobs-dsn", default=None, help=f"PostgreSQL server for tests (default: ${ENV_DSN})"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -55,5 +57,3 @@ def env_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The fresh database also as $PGJOBS_DATABASE_URL, for CLI tests."""
     monkeypatch.setenv("PGJOBS_DATABASE_URL", db_url)
     return db_url
-
-

@@ -1,13 +1,484 @@
+"""The run protocol on a real PostgreSQL, proven with several real connections."""
+
 from __future__ import annotations
 
-import pgjobs
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
 from sqlalchemy import text
 
+import pgjobs
+from pgjobs.locking import lock_name
 
-def test_smoke(engine):
-    seen = []
-    job = pgjobs.TaskJob(name="smoke", run=lambda conn: seen.append(conn.execute(text("select 1")).scalar()))
-    with pgjobs.Runner(engine) as runner:
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class FakeClock:
+    """A clock the test moves by hand, shared by every runner of a test."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, **kwargs: float) -> None:
+        self.now += timedelta(**kwargs)
+
+
+def advisory_locks(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            text(
+                "select count(*) from pg_locks where locktype = 'advisory'"
+                " and database = (select oid from pg_database where datname = current_database())"
+            )
+        ).scalar_one()
+
+
+def runs(engine, job: str) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        return [
+            (r.outcome, r.inserted)
+            for r in conn.execute(
+                text("select outcome, inserted from pgjobs.run where job = :job order by id"),
+                {"job": job},
+            )
+        ]
+
+
+@pytest.fixture
+def items(engine):
+    with engine.begin() as conn:
+        conn.execute(text("create table item (id int primary key, note text)"))
+    return engine
+
+
+def insert_items(n: int):
+    def run(conn):
+        conn.execute(text("insert into item select g, 'x' from generate_series(1, :n) g"), {"n": n})
+        return pgjobs.DiffStats(inserted=n)
+
+    return run
+
+
+def test_busy_while_another_transaction_holds_the_group_lock(items):
+    job = pgjobs.TaskJob(name="writer", group="g1", run=insert_items(3))
+    with items.connect() as holder, pgjobs.Runner(items) as runner:
+        holder.begin()
+        holder.execute(
+            text("select pg_advisory_xact_lock(hashtextextended(:k, 0))"),
+            {"k": lock_name("pgjobs", "g1")},
+        )
+        result = runner.tick(job)  # the holder's transaction is still open here
+        assert result.outcome == "busy"
+        assert result.retry_after == timedelta(seconds=5)
+        assert holder.execute(text("select count(*) from item")).scalar_one() == 0
+        holder.rollback()
+        assert runner.tick(job).outcome == "ran"
+    with items.connect() as conn:
+        assert conn.execute(text("select count(*) from item")).scalar_one() == 3
+    assert runs(items, "writer") == [("busy", 0), ("ran", 3)]
+
+
+def test_the_lock_key_uses_namespace_and_group(items):
+    """A job of another namespace does not contend for the lock."""
+    job = pgjobs.TaskJob(name="writer", group="g1", run=insert_items(1))
+    with items.connect() as holder:
+        holder.begin()
+        holder.execute(text("select pg_advisory_xact_lock(hashtextextended('pgjobs:g1', 0))"))
+        with pgjobs.Runner(items, namespace="other") as runner:
+            assert runner.tick(job).outcome == "ran"
+        holder.rollback()
+
+
+def test_idle_pass_takes_no_advisory_lock(items):
+    seen: list[int] = []
+
+    def has_work(conn):
+        # While has_work runs, another connection looks at pg_locks.
+        seen.append(advisory_locks(items))
+        return False
+
+    job = pgjobs.TaskJob(name="idle", run=insert_items(1), has_work=has_work)
+    with pgjobs.Runner(items) as runner:
         result = runner.tick(job)
-    assert result.outcome == "ran", result.error
-    assert seen == [1]
+    assert result.outcome == "idle"
+    assert seen == [0]
+    assert runs(items, "idle") == [("idle", 0)]
+
+
+def test_has_work_runs_read_only(items):
+    def has_work(conn):
+        conn.execute(text("insert into item values (1, 'sneaky')"))
+        return True
+
+    job = pgjobs.TaskJob(name="ro", run=insert_items(1), has_work=has_work, backoff="1m")
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(job)
+    assert result.outcome == "failed" and result.sqlstate == "25006"  # read_only_sql_transaction
+
+
+def test_field_report_race_periodic_job_runs_every_time_it_is_due(items):
+    """A 30 s queue job with an empty queue and a 60 s recompute fire in the same
+    tick for 20 simulated minutes: the recompute never loses the lock race."""
+    with items.begin() as conn:
+        conn.execute(text("create table work_queue (id int primary key)"))
+    clock = FakeClock()
+
+    def queue_has_work(conn):
+        # A realistically slow check: were the lock taken first, it would be
+        # held for these 50 ms, exactly when the periodic job wants it.
+        conn.execute(text("select pg_sleep(0.05)"))
+        return conn.execute(text("select exists (select 1 from work_queue)")).scalar_one()
+
+    worker = pgjobs.TaskJob(
+        name="worker", group="exams", every="30s", has_work=queue_has_work, run=lambda c: None
+    )
+    periodic = pgjobs.TaskJob(name="recompute", group="exams", every="60s", run=lambda c: None)
+    outcomes: dict[str, list[str]] = {"worker": [], "recompute": []}
+    with pgjobs.Runner(items, clock=clock) as r1, pgjobs.Runner(items, clock=clock) as r2:
+        r1.install()
+        barrier = threading.Barrier(2)
+
+        def fire(runner, job):
+            barrier.wait()
+            outcomes[job.name].append(runner.tick(job).outcome)
+
+        for _tick in range(40):  # 40 ticks of 30 s = 20 minutes
+            threads = [
+                threading.Thread(target=fire, args=(r1, worker)),
+                threading.Thread(target=fire, args=(r2, periodic)),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            clock.advance(seconds=30)
+    assert outcomes["worker"] == ["idle"] * 40
+    assert outcomes["recompute"] == ["ran", "not_due"] * 20
+
+
+def test_failing_job_backs_off_everywhere_until_next_attempt(items, db_url):
+    clock = FakeClock()
+    fail = {"on": True}
+
+    def flaky(conn):
+        conn.execute(text("insert into item values (1, 'partial')"))
+        if fail["on"]:
+            raise RuntimeError("plugin bug")
+        return None
+
+    job = pgjobs.TaskJob(name="flaky", run=flaky, every="1m", backoff="1h")
+    with pgjobs.Runner(items, clock=clock) as runner:
+        first = runner.tick(job)
+        assert first.outcome == "failed" and "plugin bug" in first.error
+        assert first.next_attempt_at == T0 + timedelta(hours=1)
+        clock.advance(minutes=10)
+        assert runner.tick(job).outcome == "backing_off"
+    with pgjobs.Runner(items, clock=clock) as fresh:  # a restart, or another replica
+        assert fresh.tick(job).outcome == "backing_off"
+    # A second process, with the same simulated time.
+    code = textwrap.dedent(
+        """
+        import sys
+        from datetime import datetime
+        import pgjobs
+        job = pgjobs.TaskJob(name="flaky", run=lambda c: None, every="1m", backoff="1h")
+        now = datetime.fromisoformat(sys.argv[2])
+        with pgjobs.Runner(sys.argv[1], clock=lambda: now) as runner:
+            print(runner.tick(job).outcome)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, db_url, (T0 + timedelta(minutes=59)).isoformat()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "backing_off"
+    with items.connect() as conn:
+        assert conn.execute(text("select count(*) from item")).scalar_one() == 0  # rolled back
+    fail["on"] = False
+    clock.advance(minutes=51)  # 61 minutes after the failure
+    with pgjobs.Runner(items, clock=clock) as runner:
+        assert runner.tick(job).outcome == "ran"
+        with items.connect() as conn:
+            row = conn.execute(text("select failures, next_attempt_at from pgjobs.job_state")).one()
+        assert row.failures == 0 and row.next_attempt_at == clock.now + timedelta(minutes=1)
+    assert [o for o, _ in runs(items, "flaky")] == ["failed"] + ["backing_off"] * 3 + ["ran"]
+
+
+def test_consecutive_failures_grow_the_backoff(items):
+    clock = FakeClock()
+    job = pgjobs.TaskJob(
+        name="bad", run=lambda c: 1 / 0, backoff=pgjobs.Backoff(initial="1m", factor=2)
+    )
+    with pgjobs.Runner(items, clock=clock) as runner:
+        delays = []
+        for _ in range(3):
+            result = runner.tick(job)
+            assert result.outcome == "failed"
+            delays.append(result.next_attempt_at - clock.now)
+            clock.now = result.next_attempt_at
+    assert delays == [timedelta(minutes=1), timedelta(minutes=2), timedelta(minutes=4)]
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from sqlalchemy import text
+    import pgjobs
+
+    def body(conn):
+        conn.execute(text("insert into log (worker, started) values (:w, clock_timestamp())"), {"w": sys.argv[2]})
+        time.sleep(0.15)
+        conn.execute(text("update log set finished = clock_timestamp() where id = (select max(id) from log)"))
+
+    job = pgjobs.TaskJob(name="shared", run=body, every="1s")
+    deadline = time.monotonic() + float(sys.argv[3])
+    with pgjobs.Runner(sys.argv[1], worker=sys.argv[2]) as runner:
+        while time.monotonic() < deadline:
+            runner.tick(job)
+            time.sleep(0.03)
+    """
+)
+
+
+def test_two_processes_never_overlap_and_run_once_per_interval(items, db_url):
+    with items.begin() as conn:
+        conn.execute(
+            text(
+                "create table log (id serial primary key, worker text, started timestamptz, finished timestamptz)"
+            )
+        )
+    pgjobs.Runner(items).install()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, db_url, f"w{i}", "6"]) for i in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    with items.connect() as conn:
+        log = conn.execute(text("select worker, started, finished from log order by started")).all()
+        ran = (
+            conn.execute(
+                text(
+                    "select started_at from pgjobs.run where job = 'shared' and outcome = 'ran' order by started_at"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        outcomes = set(conn.execute(text("select distinct outcome from pgjobs.run")).scalars())
+    assert len(log) >= 4 and len(log) == len(ran)
+    for before, after in itertools.pairwise(log):
+        assert before.finished is not None and before.finished <= after.started, "runs overlapped"
+    for before, after in itertools.pairwise(ran):
+        assert after - before >= timedelta(seconds=0.9), "ran twice within one interval"
+    assert "not_due" in outcomes
+
+
+KILLED = textwrap.dedent(
+    """
+    import sys, time
+    from sqlalchemy import text
+    import pgjobs
+
+    def body(conn):
+        conn.execute(text("insert into item select g, 'half' from generate_series(1, 100) g"))
+        print("writing", flush=True)
+        time.sleep(120)
+
+    with pgjobs.Runner(sys.argv[1]) as runner:
+        runner.tick(pgjobs.TaskJob(name="victim", group="g", run=body))
+    """
+)
+
+
+def test_sigkill_mid_run_leaves_no_lock_and_no_partial_write(items, db_url):
+    pgjobs.Runner(items).install()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, db_url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert advisory_locks(items) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    # The server notices the dead client and ends its transaction; wait for that.
+    with items.connect() as conn:
+        conn.execute(
+            text(
+                "do $$ begin for i in 1..300 loop"
+                " exit when not exists (select 1 from pg_locks where locktype = 'advisory'"
+                " and database = (select oid from pg_database where datname = current_database()));"
+                " perform pg_sleep(0.05); end loop; end $$"
+            )
+        )
+    assert advisory_locks(items) == 0
+    with items.connect() as conn:
+        assert conn.execute(text("select count(*) from item")).scalar_one() == 0
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(pgjobs.TaskJob(name="victim", group="g", run=insert_items(2)))
+    assert result.outcome == "ran"
+
+
+def test_database_errors_are_recorded_with_their_sqlstate(items):
+    with items.begin() as conn:
+        conn.execute(
+            text("create table child (id int primary key, item_id int not null references item)")
+        )
+        conn.execute(text("insert into item values (1, 'a'), (2, 'b')"))
+    with pgjobs.Runner(items) as runner:
+        fk = runner.tick(
+            pgjobs.TaskJob(
+                name="fk", run=lambda c: c.execute(text("insert into child values (1, 99)"))
+            )
+        )
+        assert (fk.outcome, fk.sqlstate) == ("failed", "23503")
+
+        with items.connect() as holder:
+            holder.begin()
+            holder.execute(text("select * from item where id = 1 for update"))
+            blocked = runner.tick(
+                pgjobs.TaskJob(
+                    name="lock",
+                    lock_timeout="200ms",
+                    run=lambda c: c.execute(text("update item set note = 'x' where id = 1")),
+                )
+            )
+            holder.rollback()
+        assert (blocked.outcome, blocked.sqlstate) == ("failed", "55P03")
+
+        slow = runner.tick(
+            pgjobs.TaskJob(
+                name="slow",
+                statement_timeout="100ms",
+                run=lambda c: c.execute(text("select pg_sleep(5)")),
+            )
+        )
+        assert (slow.outcome, slow.sqlstate) == ("failed", "57014")
+
+        # A deadlock with a user transaction: the job locks 1 then 2, the user 2 then 1.
+        user_has_2 = threading.Event()
+        job_waits = threading.Event()
+
+        def user():
+            with items.connect() as conn:
+                conn.begin()
+                conn.execute(text("set local deadlock_timeout = '10s'"))  # the job detects it
+                conn.execute(text("update item set note = 'u' where id = 2"))
+                user_has_2.set()
+                job_waits.wait(10)
+                conn.execute(text("select pg_sleep(0.2)"))  # let the job block on row 2 first
+                conn.execute(text("update item set note = 'u' where id = 1"))
+                conn.commit()
+
+        def deadlocking(conn):
+            # Checked once, 1 s after the job starts waiting: by then the user waits too.
+            conn.execute(text("set local deadlock_timeout = '1s'"))
+            conn.execute(text("update item set note = 'j' where id = 1"))
+            user_has_2.wait(10)
+            job_waits.set()
+            conn.execute(text("update item set note = 'j' where id = 2"))
+
+        thread = threading.Thread(target=user)
+        thread.start()
+        deadlock = runner.tick(pgjobs.TaskJob(name="dl", lock_timeout="20s", run=deadlocking))
+        thread.join(30)
+        assert (deadlock.outcome, deadlock.sqlstate) == ("failed", "40P01")
+    with items.connect() as conn:
+        stored = dict(conn.execute(text("select job, last_sqlstate from pgjobs.job_state")).all())
+        logged = dict(conn.execute(text("select job, sqlstate from pgjobs.run")).all())
+    expected = {"fk": "23503", "lock": "55P03", "slow": "57014", "dl": "40P01"}
+    assert stored == expected and logged == expected
+
+
+def test_every_outcome_lands_in_the_run_log_with_its_figures(items):
+    clock = FakeClock()
+    ok = pgjobs.TaskJob(name="ok", run=insert_items(4), every="1m")
+    with pgjobs.Runner(items, clock=clock) as runner:
+        ran = runner.tick(ok)
+        not_due = runner.tick(ok)
+        idle = runner.tick(
+            pgjobs.TaskJob(name="idle", run=insert_items(1), has_work=lambda c: False)
+        )
+        failed = runner.tick(pgjobs.TaskJob(name="bad", run=lambda c: 1 / 0))
+        backing_off = runner.tick(pgjobs.TaskJob(name="bad", run=lambda c: 1 / 0))
+        with items.connect() as holder:
+            holder.begin()
+            holder.execute(text("select pg_advisory_xact_lock(hashtextextended('pgjobs:busy', 0))"))
+            busy = runner.tick(pgjobs.TaskJob(name="busy", run=insert_items(1)))
+            holder.rollback()
+    results = [ran, not_due, idle, failed, backing_off, busy]
+    assert [r.outcome for r in results] == [
+        "ran",
+        "not_due",
+        "idle",
+        "failed",
+        "backing_off",
+        "busy",
+    ]
+    with items.connect() as conn:
+        rows = {
+            r.id: r
+            for r in conn.execute(
+                text(
+                    "select id, job, outcome, inserted, error, started_at, finished_at, worker from pgjobs.run"
+                )
+            )
+        }
+    assert len(rows) == 6
+    for result in results:
+        row = rows[result.run_id]
+        assert (row.job, row.outcome) == (result.job, result.outcome)
+        assert row.started_at == result.started_at and row.finished_at >= row.started_at
+        assert row.worker
+    assert rows[ran.run_id].inserted == 4
+    assert "ZeroDivisionError" in rows[failed.run_id].error
+
+
+def test_prune_deletes_old_runs_only(items):
+    clock = FakeClock()
+    job = pgjobs.TaskJob(name="p", run=lambda c: None, every="1s")
+    with pgjobs.Runner(items, clock=clock) as runner:
+        runner.tick(job)
+        clock.advance(days=8)
+        runner.tick(job)
+        assert runner.prune(timedelta(days=7)) == 1
+    assert runs(items, "p") == [("ran", 0)]
+
+
+def test_store_installs_once_when_processes_start_together(db_url):
+    code = "import sys, pgjobs; pgjobs.Runner(sys.argv[1]).install()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, db_url]) for _ in range(4)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    with pgjobs.Runner(db_url) as runner:
+        runner.install()
+        with runner.engine.connect() as conn:
+            versions = conn.execute(text("select count(*) from pgjobs.schema_version")).scalar_one()
+    assert versions == len(list((Path(pgjobs.__file__).parent / "sql").glob("*.sql")))
+
+
+def test_run_once_accepts_urls_and_engines(items, db_url):
+    plain = db_url.replace("postgresql+psycopg://", "postgresql://")
+    assert (
+        pgjobs.run_once(pgjobs.TaskJob(name="a", run=insert_items(1)), database=plain).outcome
+        == "ran"
+    )
+    result = pgjobs.run_once(pgjobs.TaskJob(name="b", run=lambda c: None), database=items)
+    assert result.outcome == "ran"
+    with pytest.raises(pgjobs.ConfigError, match="database"):
+        pgjobs.run_once(pgjobs.TaskJob(name="c", run=lambda c: None), database="mysql://x/y")
