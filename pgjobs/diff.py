@@ -363,6 +363,8 @@ class _Locked:
     dead: int = 0  #: parents gone
     waits: int = 0
     bad: int = 0  #: rows skipped or deferred (in the bad table)
+    #: when the locking pass that was kept began (row locks held from then on)
+    since: float = 0.0
 
 
 def _chunk_filter(alias: str | None, chunk: int | None) -> sql.Composable:
@@ -485,45 +487,53 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[int]:
     return busy
 
 
-def _wait_for_busy(conn: Connection, plan: _Plan) -> int:
-    """Wait, holding no row lock, for the transactions holding busy parents
-    (at most ``_MAX_WAITS`` of them, each up to ``lock_timeout``); returns how
-    many were waited for. Each lock is given back at once: the retry takes
-    all parents again."""
-    waited = 0
+def _busy_keys(conn: Connection, plan: _Plan) -> list[tuple[int, tuple[Any, ...]]]:
+    """Up to ``_MAX_WAITS`` busy parents, as (parent index, key values)."""
+    found: list[tuple[int, tuple[Any, ...]]] = []
     for i, p in enumerate(plan.parents):
         n = [f"n{j}" for j in range(len(p.columns))]
-        keys = execute(
+        rows = execute(
             conn,
             sql.SQL("select {} from {} where busy limit {}").format(
-                _ids(n), plan.gone[i], sql.Literal(_MAX_WAITS - waited)
+                _ids(n), plan.gone[i], sql.Literal(_MAX_WAITS - len(found))
             ),
         ).fetchall()
-        for values in keys:
-            waited += 1
-            execute(conn, _SAVEPOINT_WAIT)
-            try:
-                execute(
-                    conn,
-                    sql.SQL("select from {} as p where ({}) = ({}) for key share of p").format(
-                        p.ident,
-                        _ids(p.parent_columns, "p"),
-                        sql.SQL(", ").join(sql.Placeholder() * len(n)),
-                    ),
-                    tuple(values),
-                )
-            except psycopg.errors.LockNotAvailable:
-                execute(conn, _ROLLBACK_WAIT)
-                log.info(
-                    "pgjobs: %s: parent %s %s still held after lock_timeout; its rows are deferred",
-                    plan.target.label,
-                    p.label,
-                    tuple(values),
-                )
-                return waited
-            execute(conn, _ROLLBACK_WAIT)
-        if waited >= _MAX_WAITS:
+        found.extend((i, tuple(r)) for r in rows)
+        if len(found) >= _MAX_WAITS:
             break
+    return found
+
+
+def _wait_for_busy(conn: Connection, plan: _Plan, busy: list[tuple[int, tuple[Any, ...]]]) -> int:
+    """Wait, holding no row lock, for the transactions holding ``busy``
+    parents (each up to ``lock_timeout``; the first timeout ends the waiting);
+    returns how many were waited for. Each lock is given back at once: the
+    retry takes all parents again."""
+    waited = 0
+    for i, values in busy:
+        p = plan.parents[i]
+        waited += 1
+        execute(conn, _SAVEPOINT_WAIT)
+        try:
+            execute(
+                conn,
+                sql.SQL("select from {} as p where ({}) = ({}) for key share of p").format(
+                    p.ident,
+                    _ids(p.parent_columns, "p"),
+                    sql.SQL(", ").join(sql.Placeholder() * len(values)),
+                ),
+                values,
+            )
+        except psycopg.errors.LockNotAvailable:
+            execute(conn, _ROLLBACK_WAIT)
+            log.info(
+                "pgjobs: %s: parent %s %s still held after lock_timeout; its rows are deferred",
+                plan.target.label,
+                p.label,
+                values,
+            )
+            return waited
+        execute(conn, _ROLLBACK_WAIT)
     return waited
 
 
@@ -537,18 +547,21 @@ _RELEASE_PARENTS = sql.SQL("release savepoint pgjobs_parents")
 def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: bool) -> _Locked:
     """Lock this pass's parents (step 2) and fill the ``bad`` table with the
     rows that must be skipped (a needed parent is gone) or deferred (busy)."""
-    result = _Locked()
+    result = _Locked(since=time.perf_counter())
     execute(conn, sql.SQL("truncate {}").format(plan.bad))
     if plan.parents:
         needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
         # Row locks taken after a savepoint are released by rolling back to it.
         execute(conn, _SAVEPOINT_PARENTS)
+        result.since = time.perf_counter()
         busy = _lock_pass(conn, plan, needs)
         if any(busy) and wait_busy:
             # Never wait holding parent locks: give them all back, wait for the
             # busy parents with nothing held, then lock again, once.
+            busy_keys = _busy_keys(conn, plan)
             execute(conn, _ROLLBACK_PARENTS)
-            result.waits = _wait_for_busy(conn, plan)
+            result.waits = _wait_for_busy(conn, plan, busy_keys)
+            result.since = time.perf_counter()
             busy = _lock_pass(conn, plan, needs)
         execute(conn, _RELEASE_PARENTS)
         result.busy = sum(busy)
@@ -902,10 +915,11 @@ def write_diff(
     busy = dead = waits = 0
     for n, chunk in enumerate(chunks):
         report("lock", n, len(chunks))
-        lock_started = time.perf_counter()
         locked = _lock_parents(conn, plan, chunk, wait_busy)
         written = _write_rows(conn, plan, chunk, locked.bad > 0)
-        held = time.perf_counter() - lock_started
+        # Row locks are held from the kept locking pass on (a wait for a busy
+        # parent before it held none) to the end of the writes.
+        held = time.perf_counter() - locked.since
         lock_seconds += held
         max_chunk = max(max_chunk, held)
         inserted += written.inserted
