@@ -675,14 +675,17 @@ class _Naive(_Design):
                 holding.set()
 
         job = threading.Thread(target=recompute, name="naive-recompute-scripted")
-        job.start()
-        holding.wait(60)
         user = _UserDelete(self.engine, exam)
-        user.start()
-        user.wait_until_blocked()  # on the rows the recompute holds
-        go.set()
-        job.join()
-        user.join()
+        job.start()
+        try:
+            holding.wait(60)
+            user.start()
+            user.wait_until_blocked()  # on the rows the recompute holds
+        finally:
+            go.set()
+            job.join()
+            if user.ident is not None:
+                user.join()
         return Scripted(
             design=self.name,
             job="recompute",
@@ -825,15 +828,18 @@ class _PgJobs(_Design):
             target=lambda: results.append(self.runner.tick(job, force=True)),
             name="pgjobs-recompute-scripted",
         )
-        thread.start()
-        computing.wait(60)
         user = _UserDelete(self.engine, exam)
-        user.start()
-        user.join(timeout=30)  # it must finish while the recompute is still open
-        done_during = not user.is_alive() and thread.is_alive()
-        go.set()
-        thread.join()
-        user.join()
+        thread.start()
+        try:
+            computing.wait(60)
+            user.start()
+            user.join(timeout=30)  # it must finish while the recompute is still open
+            done_during = not user.is_alive() and thread.is_alive()
+        finally:
+            go.set()
+            thread.join()
+            if user.ident is not None:
+                user.join()
         if not results:
             raise PgJobsError("demo: the scripted recompute did not return")
         result = results[0]
@@ -1024,6 +1030,8 @@ def _progress_line(design: _Design, users: _Users, elapsed: float, total: float)
 
 
 def _timed_run(design: _Design, opts: DemoOptions, err: TextIO | None) -> PhaseReport:
+    # The figures are the timed run's own (the scripted interleaving is reported apart).
+    design.worker, design.recompute = _JobTally(WORKER), _JobTally(RECOMPUTE)
     stop = threading.Event()
     exams = _Exams(_live_exams(design.engine))
     users = _Users(design, exams, opts, stop)
@@ -1120,8 +1128,11 @@ def run_demo(
         engines: list[Engine] = []
         created: list[str] = []
         try:
-            with admin.connect() as conn:
-                version = str(conn.execute(text("show server_version")).scalar_one())
+            try:
+                with admin.connect() as conn:
+                    version = str(conn.execute(text("show server_version")).scalar_one())
+            except DBAPIError as exc:
+                raise PgJobsError(f"cannot connect to {shown}: {exc.orig or exc}") from exc
             designs: list[tuple[str, Callable[[Engine], _Design]]] = []
             if opts.naive:
                 designs.append(("naive", lambda e: _Naive(e, opts)))
@@ -1357,5 +1368,9 @@ def main(
     except PgJobsError as exc:
         print(f"pgjobs demo: {exc}", file=err)
         return 2
+    except KeyboardInterrupt:
+        # run_demo has stopped its threads and dropped its schemas on the way out.
+        print("pgjobs demo: interrupted", file=err)
+        return 130
     print(format_report(report), file=out)
     return 0 if _healthy(report) else 1

@@ -111,3 +111,21 @@ def test_main_prints_the_summary_and_cleans_up(
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main("postgresql://nowhere.invalid/x", seconds=0) == 2
     assert "seconds: expected a positive number, got 0" in capsys.readouterr().err
+
+
+def test_without_a_database_it_runs_on_an_embedded_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # conftest leaves $PGJOBS_DATABASE_URL unset: "no database configured".
+    code = main(None, seconds=2, exams=300, compute_seconds=0.2, recompute_every=1.5)
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "on an embedded PostgreSQL in a temporary directory (removed afterwards)" in out
+    assert "pgjobs: no deadlock, no FK violation, no failed transaction;" in out
+
+
+def test_an_unreachable_database_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main("postgresql://postgres@127.0.0.1:1/nothing", seconds=1) == 2
+    assert "pgjobs demo: cannot connect to postgresql+psycopg://postgres@127.0.0.1:1/nothing" in (
+        capsys.readouterr().err
+    )
