@@ -1,0 +1,779 @@
+"""The built-in queue and the queue job's set-based batch processing.
+
+The queue
+---------
+``<schema>.queue`` holds one row per (job, key): the item's scope values as
+a JSON array (``[42]``, ``[7, "b"]``), when it was first enqueued, its failed
+attempts, ``not_before`` and ``last_error``, and ``dead_at`` once parked.
+
+* :func:`enqueue` adds keys inside the caller's transaction. An entry already
+  pending is *locked* (``INSERT ... ON CONFLICT DO UPDATE``, never ``DO
+  NOTHING``): the worker claims with ``SKIP LOCKED``, so it cannot consume
+  the entry while the caller's change is uncommitted and then lose it.
+* :func:`install_enqueue_trigger` does the same from a trigger on a table.
+* :func:`queue_stats` gives depth, oldest age, retrying and dead items per job.
+
+One tick of a :class:`~pgjobs.QueueJob` (:func:`run_queue`)
+-----------------------------------------------------------
+1. Claim up to ``batch_size`` due items (live, ``not_before <= now()``) in
+   key order, ``FOR UPDATE SKIP LOCKED``.
+2. Lock the items' parents (the target's parents whose columns are all scope
+   columns) ``FOR KEY SHARE SKIP LOCKED``. An item whose parent is gone is
+   dropped from the queue and counted (``detail["parent_gone"]``); an item
+   whose parent a user is deleting right now is released and left for the
+   next tick (``detail["deferred"]``). The worker never *waits* for a parent
+   while holding queue entries: a user transaction that locks a parent and
+   then enqueues (a trigger on delete does exactly that) would otherwise
+   deadlock with it.
+3. Put the batch's scope values in the temp table ``pgjobs_keys`` (the scope
+   columns, with the target's types, one row per item) and call
+   ``compute(conn, keys)`` once. SQL (the job's text, or text ``compute``
+   returns) may bind ``:keys``: for a one-column scope, the array of scope
+   values; for a composite scope, the array of the *first* column's values,
+   with ``:keys_<column>`` giving each column's values (parallel arrays, for
+   ``unnest(:keys_a, :keys_b)``). Exact composite matches join ``pgjobs_keys``.
+4. Write one diff scoped to ``pgjobs_keys`` (:func:`pgjobs.diff.write_diff`:
+   parents ``FOR KEY SHARE``, then derived rows), then call
+   ``after(conn, keys, stats)`` (the status rows) last: the recompute's lock
+   order, parents -> derived rows -> status.
+5. Delete the processed entries.
+
+Per-item isolation: when the batch fails, it is retried in halves under
+savepoints until the failing items are found; the others commit. A failing
+item gets ``attempts + 1``, ``not_before = now() + item_backoff.delay(attempts)``
+and ``last_error``; after ``max_attempts`` it is parked (``dead_at``), kept
+and visible in :func:`queue_stats` until its key is enqueued again. Errors
+that are nobody's item's fault (deadlock, serialization, lock or statement
+timeout, lost connection) fail the whole run instead, and the runner backs
+the job off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta
+from datetime import time as dtime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors, sql
+from sqlalchemy.engine import Connection
+
+from ._pg import driver, qualified, sqlstate_of
+from .errors import ConfigError, PgJobsError
+from .jobs import Keys, QueueJob
+from .results import DiffStats, Execution
+from .store import DEFAULT_SCHEMA
+
+if TYPE_CHECKING:
+    from .runner import RunContext
+    from .target import Target
+
+log = logging.getLogger(__name__)
+
+#: the temp table holding the current batch's scope values (compute SQL may join it)
+KEYS_TABLE = "pgjobs_keys"
+
+_NOT_INSTALLED = (
+    "pgjobs' schema {schema!r} is not installed in this database; create it once with "
+    "pgjobs.Runner(database).install() (or run any job) before enqueueing"
+)
+
+#: batches with more keys than this get their keys table analyzed
+_ANALYZE_KEYS = 1000
+
+# SQLSTATEs that say nothing about an item: the run fails and is retried as a whole.
+_RUN_LEVEL_CLASSES = ("08", "40", "53", "57", "58", "XX")
+_RUN_LEVEL_STATES = ("55P03",)
+
+AnyConnection = Connection | psycopg.Connection[Any]
+
+
+# -- connections -------------------------------------------------------------
+def _raw(conn: AnyConnection) -> psycopg.Connection[Any]:
+    """The psycopg connection to run on, inside the caller's transaction."""
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    if isinstance(conn, Connection):
+        if not conn.in_transaction():
+            # What conn.execute() would do (autobegin): the caller commits.
+            conn.begin()
+        return driver(conn)
+    raise TypeError(f"expected a SQLAlchemy or psycopg Connection, got {type(conn).__name__}")
+
+
+def _queue_table(schema: str) -> sql.Identifier:
+    return sql.Identifier(schema, "queue")
+
+
+# -- keys ----------------------------------------------------------------------
+def _json_value(value: Any, key: Any) -> Any:
+    if value is None:
+        raise ConfigError(f"keys: a key value may not be None, got {key!r}")
+    if isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"keys: {value!r} is not a key value, in {key!r}")
+        return value
+    if isinstance(value, uuid.UUID | Decimal):
+        return str(value)
+    if isinstance(value, datetime | date | dtime):
+        return value.isoformat()
+    raise ConfigError(
+        f"keys: {type(value).__name__} is not supported as a key value (use int, str, UUID, "
+        f"Decimal, date or datetime), in {key!r}"
+    )
+
+
+def key_json(key: Any, width: int | None = None) -> str:
+    """A key as the queue stores it: a JSON array of its scope values.
+
+    ``key`` is a scalar for a one-column scope, a tuple (or list) for a
+    composite one; ``width`` (the scope's column count) is checked when given.
+    """
+    values = tuple(key) if isinstance(key, tuple | list) else (key,)
+    if width is not None and len(values) != width:
+        raise ConfigError(f"keys: expected {width} scope value(s) per key, got {key!r}")
+    if not values:
+        raise ConfigError("keys: a key needs at least one value")
+    return json.dumps([_json_value(v, key) for v in values], separators=(",", ":"))
+
+
+# -- enqueue -------------------------------------------------------------------
+def enqueue(
+    conn: AnyConnection,
+    job: str | QueueJob,
+    keys: Iterable[Any],
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> int:
+    """Put ``keys`` in ``job``'s queue, inside the caller's transaction.
+
+    Keys are scalars for a one-column scope, tuples for a composite scope,
+    in the scope's column order. Enqueueing is idempotent: one entry per
+    (job, key), however often it is enqueued before the worker gets to it.
+    A pending entry is locked until the caller commits, so a worker cannot
+    process it on data the caller has not committed yet; enqueue in the
+    same transaction as the change::
+
+        with engine.begin() as conn:
+            conn.execute(update(exam).where(exam.c.id == 7).values(title="x"))
+            pgjobs.enqueue(conn, "exam-worker", [7])
+
+    ``conn`` is a SQLAlchemy ``Connection`` (a transaction is begun if none
+    is, as ``conn.execute`` would) or a psycopg ``Connection``. A parked
+    (dead) entry is revived with its attempts reset. Returns how many
+    entries were added or revived (0 when all were already pending).
+
+    The schema must exist (``pgjobs.Runner(database).install()``, or any
+    job's first tick); otherwise :class:`~pgjobs.PgJobsError` says so.
+    """
+    if isinstance(job, QueueJob):
+        name, width = job.name, len(job.scope)
+    elif isinstance(job, str) and job:
+        name, width = job, None
+    else:
+        raise ConfigError(f"job: expected a QueueJob or a job name, got {job!r}")
+    if isinstance(keys, str | bytes):
+        raise ConfigError(
+            f"keys: expected an iterable of keys, got the string {keys!r}; wrap it: [key]"
+        )
+    items = [key_json(k, width) for k in keys]
+    if not items:
+        return 0
+    raw = _raw(conn)
+    query = sql.SQL("select {}(%s, %s::jsonb)").format(sql.Identifier(schema, "enqueue"))
+    try:
+        row = raw.execute(query, (name, "[" + ",".join(items) + "]")).fetchone()
+    except (errors.UndefinedFunction, errors.UndefinedTable, errors.InvalidSchemaName) as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return int(row[0]) if row else 0
+
+
+def install_enqueue_trigger(
+    conn: AnyConnection,
+    *,
+    table: str,
+    job: str | QueueJob,
+    columns: Sequence[str],
+    schema: str = DEFAULT_SCHEMA,
+) -> None:
+    """Enqueue the keys of ``table``'s inserted, updated and deleted rows.
+
+    ``columns`` are ``table``'s columns that form the job's key, in the
+    scope's order (for a parent table, usually its primary key). Updates
+    enqueue the old and the new key. Statement-level triggers with
+    transition tables: a bulk statement enqueues its keys in one upsert.
+    Idempotent (re-installing replaces the triggers); runs in the caller's
+    transaction. Remove with :func:`drop_enqueue_trigger`.
+    """
+    name = job.name if isinstance(job, QueueJob) else job
+    cols = _trigger_columns(columns, job)
+    raw = _raw(conn)
+    ident = qualified(table)
+    _check_columns(raw, table, cols)
+    args = sql.SQL(", ").join([sql.Literal(name), *(sql.Literal(c) for c in cols)])
+    function = sql.Identifier(schema, "enqueue_trigger")
+    for event, referencing in (
+        ("insert", "referencing new table as new_rows"),
+        ("update", "referencing old table as old_rows new table as new_rows"),
+        ("delete", "referencing old table as old_rows"),
+    ):
+        trigger = sql.Identifier(_trigger_name(name, event))
+        raw.execute(sql.SQL("drop trigger if exists {} on {}").format(trigger, ident))
+        raw.execute(
+            sql.SQL(
+                "create trigger {} after "
+                + event
+                + " on {} "
+                + referencing
+                + " for each statement execute function {}({})"
+            ).format(trigger, ident, function, args)
+        )
+
+
+def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | QueueJob) -> None:
+    """Remove the triggers :func:`install_enqueue_trigger` put on ``table`` for ``job``."""
+    name = job.name if isinstance(job, QueueJob) else job
+    raw = _raw(conn)
+    for event in ("insert", "update", "delete"):
+        raw.execute(
+            sql.SQL("drop trigger if exists {} on {}").format(
+                sql.Identifier(_trigger_name(name, event)), qualified(table)
+            )
+        )
+
+
+def _trigger_columns(columns: Sequence[str], job: str | QueueJob) -> tuple[str, ...]:
+    cols = (columns,) if isinstance(columns, str) else tuple(columns)
+    if not cols or not all(isinstance(c, str) and c for c in cols):
+        raise ConfigError(f"columns: expected column names, got {columns!r}")
+    if isinstance(job, QueueJob) and len(cols) != len(job.scope):
+        raise ConfigError(
+            f"columns: job {job.name!r} has the scope {job.scope}; give as many columns, got {cols}"
+        )
+    return cols
+
+
+def _trigger_name(job: str, event: str) -> str:
+    # Trigger names are per table and at most 63 bytes: a digest keeps them
+    # unique per job however long the job's name is.
+    import hashlib
+
+    digest = hashlib.sha1(job.encode()).hexdigest()[:10]
+    return f"pgjobs_enqueue_{digest}_{event}"
+
+
+def _check_columns(raw: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> None:
+    rows = raw.execute(
+        "select attname from pg_attribute where attrelid = %s::regclass and attnum > 0"
+        " and not attisdropped",
+        (qualified(table).as_string(raw),),
+    ).fetchall()
+    present = {r[0] for r in rows}
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise ConfigError(f"columns: {table!r} has no column(s) {missing}")
+
+
+# -- status ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueStats:
+    """One job's queue, for ``pgjobs status`` and metrics."""
+
+    job: str
+    #: live items: due now or waiting for their retry
+    depth: int
+    #: live items that may be claimed now
+    due: int
+    #: live items that failed at least once and wait for another attempt
+    retrying: int
+    #: parked items (failed ``max_attempts`` times), kept until enqueued again
+    dead: int
+    #: the first enqueue of the oldest live item, and its age (database clock)
+    oldest_enqueued_at: datetime | None = None
+    oldest_age: timedelta | None = None
+
+
+def queue_stats(conn: AnyConnection, *, schema: str = DEFAULT_SCHEMA) -> list[QueueStats]:
+    """Per job with anything in the queue: depth, due, retrying, dead, oldest age."""
+    raw = _raw(conn)
+    query = sql.SQL(
+        "select job, count(*) filter (where dead_at is null),"
+        " count(*) filter (where dead_at is null and not_before <= now()),"
+        " count(*) filter (where dead_at is null and attempts > 0),"
+        " count(*) filter (where dead_at is not null),"
+        " min(enqueued_at) filter (where dead_at is null),"
+        " now() - min(enqueued_at) filter (where dead_at is null)"
+        " from {} group by job order by job"
+    ).format(_queue_table(schema))
+    try:
+        rows = raw.execute(query).fetchall()
+    except (errors.UndefinedTable, errors.InvalidSchemaName) as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return [
+        QueueStats(
+            job=r[0],
+            depth=r[1],
+            due=r[2],
+            retrying=r[3],
+            dead=r[4],
+            oldest_enqueued_at=r[5],
+            oldest_age=r[6],
+        )
+        for r in rows
+    ]
+
+
+# -- the worker ---------------------------------------------------------------------
+def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
+    """Is a live item of ``job`` due? One index probe, taken before any lock."""
+    row = (
+        driver(conn)
+        .execute(
+            sql.SQL(
+                "select exists (select from {} where job = %s and dead_at is null and not_before <= now())"
+            ).format(_queue_table(ctx.store.schema)),
+            (job.name,),
+        )
+        .fetchone()
+    )
+    return bool(row and row[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _ItemParent:
+    """A parent every item has: its columns are all scope columns."""
+
+    table: sql.Composable
+    columns: tuple[str, ...]  # in the target (= scope columns)
+    parent_columns: tuple[str, ...]
+
+
+@dataclass(kw_only=True)
+class _Batch:
+    """What one tick did, accumulated across the isolation's sub-batches."""
+
+    stats: DiffStats = field(default_factory=DiffStats)
+    compute_seconds: float = 0.0
+    write_seconds: float = 0.0
+    lock_seconds: float = 0.0
+    done: list[str] = field(default_factory=list)
+    #: written, but rows were deferred by the writer: left in the queue
+    kept: list[str] = field(default_factory=list)
+    rows_deferred: int = 0
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    attempts_of: dict[str, int] = field(default_factory=dict)
+
+
+def _is_run_level(exc: BaseException) -> bool:
+    """An error no item caused: fail the run instead of blaming items."""
+    if isinstance(exc, ConfigError):  # the job's definition is wrong, not an item
+        return True
+    state = sqlstate_of(exc)
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith(_RUN_LEVEL_CLASSES) or state in _RUN_LEVEL_STATES
+
+
+def _error_text(exc: BaseException) -> str:
+    message = f"{type(exc).__name__}: {exc}".strip()
+    return message if len(message) <= 2000 else message[:1997] + "..."
+
+
+class _Worker:
+    """One tick of one queue job, inside the job's transaction."""
+
+    def __init__(self, conn: Connection, job: QueueJob, ctx: RunContext) -> None:
+        from .target import reflect_target
+
+        self.conn = conn
+        self.raw = driver(conn)
+        self.job = job
+        self.ctx = ctx
+        self.queue = _queue_table(ctx.store.schema)
+        self.target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
+        missing = [c for c in job.scope if c not in self.target.types]
+        if missing:
+            raise ConfigError(
+                f"QueueJob {job.name!r}: scope: {self.target.label} has no writable column(s) "
+                f"{', '.join(missing)}"
+            )
+        self.item_parents = _item_parents(self.target, job.scope)
+        self.scope = sql.SQL(", ").join(sql.Identifier(c) for c in job.scope)
+        self.keys_table = sql.Identifier(KEYS_TABLE)
+        # One typed row per queue key: jsonb array -> the keys table's row type.
+        self.typed = sql.SQL(
+            "jsonb_populate_record(null::pg_temp.{}, jsonb_build_object({}))"
+        ).format(
+            self.keys_table,
+            sql.SQL(", ").join(
+                sql.SQL("{}, i.item::jsonb -> {}").format(sql.Literal(c), sql.Literal(n))
+                for n, c in enumerate(job.scope)
+            ),
+        )
+        self.batch = _Batch()
+        self._savepoints = 0
+
+    # -- savepoints -------------------------------------------------------------
+    def _savepoint(self) -> sql.Identifier:
+        self._savepoints += 1
+        name = sql.Identifier(f"pgjobs_q{self._savepoints}")
+        self.raw.execute(sql.SQL("savepoint {}").format(name))
+        return name
+
+    def _release(self, name: sql.Identifier) -> None:
+        self.raw.execute(sql.SQL("release savepoint {}").format(name))
+
+    def _rollback_to(self, name: sql.Identifier) -> None:
+        self.raw.execute(sql.SQL("rollback to savepoint {n}; release savepoint {n}").format(n=name))
+
+    # -- the tick -------------------------------------------------------------------
+    def run(self) -> Execution:
+        self._ensure_keys_table()
+        items, gone, deferred, unreadable = self._claim()
+        self.ctx.report("claim", len(items), None)
+        for item, exc in unreadable.items():
+            self.batch.failed[item] = exc
+        if gone:
+            self._delete(gone)
+            log.info(
+                "pgjobs: %s: dropped %d item(s) whose parent is gone", self.job.name, len(gone)
+            )
+        if items:
+            self._process(items)
+        dead = self._record_failures() if self.batch.failed else 0
+        b = self.batch
+        return Execution(
+            stats=b.stats,
+            compute_seconds=b.compute_seconds,
+            write_seconds=b.write_seconds,
+            lock_seconds=b.lock_seconds,
+            items=len(b.done),
+            failed_items=len(b.failed),
+            detail={
+                "claimed": len(items) + len(gone) + len(unreadable),
+                "parent_gone": len(gone),
+                "deferred": len(deferred),
+                "kept": len(b.kept),
+                "rows_deferred": b.rows_deferred,
+                "dead": dead,
+            },
+        )
+
+    def _ensure_keys_table(self) -> None:
+        """``pgjobs_keys`` lives as long as the session (``ON COMMIT DELETE
+        ROWS``): creating a temp table per tick costs more catalog writes than
+        the rest of a small batch. It is recreated when its columns or their
+        types don't match this job's scope."""
+        want = [f"{c}:{self.target.types[c].type_oid}" for c in self.job.scope]
+        row = self.raw.execute(
+            "select array_agg(attname || ':' || atttypid order by attnum) from pg_attribute"
+            " where attrelid = to_regclass('pg_temp.pgjobs_keys') and attnum > 0"
+            " and not attisdropped"
+        ).fetchone()
+        if row is not None and row[0] == want:
+            return
+        self.raw.execute(
+            sql.SQL(
+                "drop table if exists pg_temp.{t}; create temp table {t} on commit delete rows as"
+                " select {cols} from {target} with no data"
+            ).format(t=self.keys_table, cols=self.scope, target=self.target.ident)
+        )
+
+    # -- 1 + 2: claim, then the items' parents without waiting ------------------------
+    def _claim(self) -> tuple[list[str], list[str], list[str], dict[str, BaseException]]:
+        """Returns (items to process, items whose parent is gone, items left for
+        later because a user holds their parent, items whose key doesn't fit)."""
+        if not self.item_parents:
+            # Nothing to lock first: keys that don't fit fail in _process.
+            return self._claim_rows(None), [], [], {}
+        wanted: list[str] | None = None
+        released: list[str] = []
+        probe = False
+        for round_ in range(4):
+            sp = self._savepoint()
+            claimed = self._claim_rows(wanted)
+            unreadable = self._unreadable(claimed) if probe else {}
+            readable = [i for i in claimed if i not in unreadable]
+            try:
+                ok, gone, deferred = self._lock_parents(readable)
+            except psycopg.DataError:
+                if probe:
+                    raise
+                # A key that does not convert to the scope's types: claim the
+                # same entries again and find it one by one.
+                self._rollback_to(sp)
+                probe, wanted = True, claimed
+                continue
+            if not deferred or not (ok or gone or unreadable) or round_ == 3:
+                # Items still deferred after the last round stay claimed but
+                # untouched: the worker waits for nothing they hold.
+                self._release(sp)
+                return ok, gone, sorted(released + deferred), unreadable
+            # Let go of everything (the deferred entries included, so that the
+            # user deleting their parent can enqueue), and claim the rest again.
+            self._rollback_to(sp)
+            released += deferred
+            wanted = ok + gone + list(unreadable)
+        raise AssertionError("unreachable")
+
+    def _claim_rows(self, wanted: list[str] | None) -> list[str]:
+        if wanted is None:
+            query = sql.SQL(
+                "select key::text, attempts from {} where job = %s and dead_at is null"
+                " and not_before <= now() order by key limit %s for update skip locked"
+            ).format(self.queue)
+            params: tuple[Any, ...] = (self.job.name, self.job.batch_size)
+        else:
+            query = sql.SQL(
+                "select key::text, attempts from {} where job = %s"
+                " and key = any(%s::text[]::jsonb[]) and dead_at is null and not_before <= now()"
+                " order by key for update skip locked"
+            ).format(self.queue)
+            params = (self.job.name, wanted)
+        rows = self.raw.execute(query, params).fetchall()
+        for item, attempts in rows:
+            self.batch.attempts_of[item] = attempts
+        return [r[0] for r in rows]
+
+    def _unreadable(self, items: list[str]) -> dict[str, BaseException]:
+        """Keys that don't convert to the scope's column types, one by one."""
+        probe = sql.SQL("select {} from unnest(%s::text[]) as i(item)").format(self.typed)
+        bad: dict[str, BaseException] = {}
+        for item in items:
+            sp = self._savepoint()
+            try:
+                self.raw.execute(probe, ([item],))
+            except psycopg.DatabaseError as exc:
+                if _is_run_level(exc):
+                    raise
+                self._rollback_to(sp)
+                bad[item] = exc
+            else:
+                self._release(sp)
+        return bad
+
+    def _lock_parents(self, items: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """``FOR KEY SHARE SKIP LOCKED`` on every item parent: (locked, gone, deferred)."""
+        if not items or not self.item_parents:
+            return items, [], []
+        ctes = [
+            sql.SQL(
+                "k as materialized (select i.item, t.* from unnest(%s::text[]) as i(item),"
+                " lateral {} as t)"
+            ).format(self.typed)
+        ]
+        joins, locked, present = [], [], []
+        for n, parent in enumerate(self.item_parents):
+            alias = sql.Identifier(f"p{n}")
+            pcols = sql.SQL(", ").join(sql.Identifier("p", c) for c in parent.parent_columns)
+            ccols = sql.SQL(", ").join(sql.Identifier("k", c) for c in parent.columns)
+            ctes.append(
+                sql.SQL(
+                    "{alias} as materialized (select {pcols} from {table} as p"
+                    " where ({pcols}) in (select {ccols} from k) for key share of p skip locked)"
+                ).format(alias=alias, pcols=pcols, table=parent.table, ccols=ccols)
+            )
+            match = sql.SQL(" and ").join(
+                sql.SQL("{} = {}").format(sql.Identifier(f"p{n}", pc), sql.Identifier("k", c))
+                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
+            )
+            joins.append(sql.SQL("left join {} on {}").format(alias, match))
+            first = sql.Identifier(f"p{n}", parent.parent_columns[0])
+            locked.append(sql.SQL("{} is not null").format(first))
+            exists_match = sql.SQL(" and ").join(
+                sql.SQL("{} = {}").format(sql.Identifier("x", pc), sql.Identifier("k", c))
+                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
+            )
+            present.append(
+                sql.SQL("({} is not null or exists (select from {} as x where {}))").format(
+                    first, parent.table, exists_match
+                )
+            )
+        query = sql.SQL("with {} select k.item, {} as locked, {} as present from k {}").format(
+            sql.SQL(", ").join(ctes),
+            sql.SQL(" and ").join(locked),
+            sql.SQL(" and ").join(present),
+            sql.SQL(" ").join(joins),
+        )
+        ok, gone, deferred = [], [], []
+        for item, is_locked, is_present in self.raw.execute(query, (items,)).fetchall():
+            if not is_present:
+                gone.append(item)
+            elif is_locked:
+                ok.append(item)
+            else:
+                deferred.append(item)
+        return sorted(ok), sorted(gone), sorted(deferred)
+
+    # -- 3 + 4 + 5, with per-item isolation ----------------------------------------------
+    def _process(self, items: list[str]) -> None:
+        sp = self._savepoint()
+        try:
+            self._write(items)
+        except Exception as exc:
+            if _is_run_level(exc):
+                raise
+            self._rollback_to(sp)
+            if len(items) == 1:
+                self.batch.failed[items[0]] = exc
+                return
+            log.info(
+                "pgjobs: %s: a batch of %d items failed (%s); isolating the failing items",
+                self.job.name,
+                len(items),
+                type(exc).__name__,
+            )
+            half = len(items) // 2
+            self._process(items[:half])
+            self._process(items[half:])
+        else:
+            self._release(sp)
+
+    def _load_keys(self, items: list[str]) -> Keys:
+        # The delete empties what an earlier sub-batch (or anything earlier in
+        # this transaction) left; it does not see the rows inserted beside it.
+        rows = self.raw.execute(
+            sql.SQL(
+                "with gone as (delete from pg_temp.{t}),"
+                " ins as (insert into pg_temp.{t} ({cols}) select distinct t.* from"
+                " unnest(%s::text[]) as i(item), lateral {typed} as t returning {cols})"
+                " select {cols} from ins order by {cols}"
+            ).format(t=self.keys_table, cols=self.scope, typed=self.typed),
+            (items,),
+        ).fetchall()
+        return [tuple(r) for r in rows]
+
+    def _params(self, keys: Keys) -> dict[str, Any]:
+        params: dict[str, Any] = {"keys": [k[0] for k in keys]}
+        for n, column in enumerate(self.job.scope):
+            params[f"keys_{column}"] = [k[n] for k in keys]
+        return params
+
+    def _write(self, items: list[str]) -> None:
+        from .diff import Scope, write_diff
+        from .staging import stage
+
+        b = self.batch
+        keys = self._load_keys(items)
+        if len(keys) > _ANALYZE_KEYS:
+            # Up to this size, the planner's estimate from the table's current
+            # size serves joins as well as statistics would, for less.
+            self.raw.execute(sql.SQL("analyze pg_temp.{}").format(self.keys_table))
+        started = time.perf_counter()
+        compute = self.job.compute
+        source = compute if isinstance(compute, str) else compute(self.conn, keys)
+        staged = stage(self.conn, self.target, source, params=self._params(keys))
+        b.compute_seconds += time.perf_counter() - started
+        self.ctx.report("write", len(keys), None)
+        # wait_busy=False: this transaction holds queue entries, and a user may
+        # lock a parent FOR UPDATE and then enqueue one of our items (a delete
+        # cascading to a table with an enqueue trigger); waiting for that
+        # parent would deadlock. Its rows are deferred, the items stay queued.
+        result = write_diff(
+            self.conn,
+            self.target,
+            staged,
+            scope=Scope(columns=self.job.scope, keys=self.keys_table),
+            wait_busy=False,
+        )
+        b.write_seconds += result.write_seconds
+        b.lock_seconds += result.lock_seconds
+        b.stats = b.stats + result.stats
+        if result.deferred:
+            # Some rows wait for a parent a user holds: what was written stays,
+            # the items stay queued, and the next tick finishes them.
+            b.kept.extend(items)
+            b.rows_deferred += result.deferred
+            return
+        if self.job.after is not None:
+            self.job.after(self.conn, keys, result.stats)
+        self._delete(items)
+        b.done.extend(items)
+
+    def _delete(self, items: list[str]) -> None:
+        self.raw.execute(
+            sql.SQL("delete from {} where job = %s and key = any(%s::text[]::jsonb[])").format(
+                self.queue
+            ),
+            (self.job.name, items),
+        )
+
+    def _record_failures(self) -> int:
+        job = self.job
+        policy = job.item_backoff
+        assert not isinstance(policy, str | int | float | timedelta)
+        names, delays, texts, dead = [], [], [], 0
+        for item, exc in sorted(self.batch.failed.items()):
+            attempts = self.batch.attempts_of.get(item, 0) + 1
+            names.append(item)
+            delays.append(policy.delay(attempts).total_seconds())
+            texts.append(_error_text(exc))
+            if attempts >= job.max_attempts:
+                dead += 1
+                log.error(
+                    "pgjobs: %s: item %s failed %d times and is parked: %s",
+                    job.name,
+                    item,
+                    attempts,
+                    texts[-1],
+                )
+            else:
+                log.warning(
+                    "pgjobs: %s: item %s failed (attempt %d of %d), retrying in %.0fs: %s",
+                    job.name,
+                    item,
+                    attempts,
+                    job.max_attempts,
+                    delays[-1],
+                    texts[-1],
+                )
+        self.raw.execute(
+            sql.SQL(
+                "update {} as q set attempts = q.attempts + 1, last_error = f.err,"
+                " not_before = now() + make_interval(secs => f.delay),"
+                " dead_at = case when q.attempts + 1 >= %s then now() end"
+                " from unnest(%s::text[], %s::float8[], %s::text[]) as f(item, delay, err)"
+                " where q.job = %s and q.key = f.item::jsonb"
+            ).format(self.queue),
+            (job.max_attempts, names, delays, texts, job.name),
+        )
+        return dead
+
+
+def _item_parents(target: Target, scope: tuple[str, ...]) -> list[_ItemParent]:
+    """The target's parents whose columns are all scope columns: every item has
+    exactly one row in each (or none, when it is gone)."""
+    return [
+        _ItemParent(parent.ident, parent.columns, parent.parent_columns)
+        for parent in target.parents
+        if parent.columns and set(parent.columns) <= set(scope) and not parent.self_reference
+    ]
+
+
+def run_queue(conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
+    """One tick of ``job``: claim a batch, compute it once, write one scoped
+    diff, call ``after``; inside the job's transaction, the group lock held."""
+    return _Worker(conn, job, ctx).run()
+
+
+__all__ = [
+    "KEYS_TABLE",
+    "QueueStats",
+    "drop_enqueue_trigger",
+    "enqueue",
+    "has_pending",
+    "install_enqueue_trigger",
+    "key_json",
+    "queue_stats",
+    "run_queue",
+]

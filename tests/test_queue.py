@@ -1,0 +1,802 @@
+"""The built-in queue and queue jobs on a real PostgreSQL, with real concurrent
+connections where the test is about locks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+import pgjobs
+from pgjobs.queue import (
+    drop_enqueue_trigger,
+    enqueue,
+    install_enqueue_trigger,
+    key_json,
+    queue_stats,
+)
+
+SCHEMA = """
+create table parent (id int primary key, factor int not null default 1);
+create table source (
+    id bigserial primary key,
+    parent_id int not null references parent (id) on delete cascade on update cascade,
+    val int not null
+);
+create table derived (
+    parent_id int not null references parent (id) on delete cascade on update cascade,
+    bucket int not null,
+    total bigint not null check (total >= 0),
+    n int not null,
+    primary key (parent_id, bucket)
+);
+create table status (
+    parent_id int primary key references parent (id) on delete cascade on update cascade,
+    rows int not null,
+    runs int not null default 1
+);
+"""
+
+#: five derived rows per parent (one per bucket), scaled by the parent's factor
+COMPUTE = """
+select s.parent_id, s.val % 5 as bucket, sum(s.val) * p.factor as total, count(*) as n
+from source s join parent p on p.id = s.parent_id
+where s.parent_id = any(:keys)
+group by s.parent_id, s.val % 5, p.factor
+"""
+
+#: the totals of one parent with factor 1: values 1..10 in buckets v % 5
+BASE_TOTALS = (15, 7, 9, 11, 13)
+
+FROM_SCRATCH = """
+select s.parent_id, s.val % 5 as bucket, sum(s.val) * p.factor as total, count(*) as n
+from source s join parent p on p.id = s.parent_id
+group by s.parent_id, s.val % 5, p.factor
+order by 1, 2
+"""
+
+
+def upsert_status(conn, keys, stats):
+    conn.execute(
+        text(
+            "insert into status (parent_id, rows)"
+            " select k, (select count(*) from derived d where d.parent_id = k)"
+            " from unnest(cast(:keys as int[])) as k"
+            " on conflict (parent_id) do update set rows = excluded.rows, runs = status.runs + 1"
+        ),
+        {"keys": [k[0] for k in keys]},
+    )
+
+
+def make_job(**changes):
+    fields = dict(
+        name="worker",
+        target="derived",
+        scope=("parent_id",),
+        compute=COMPUTE,
+        after=upsert_status,
+        every="1s",
+        batch_size=100,
+        backoff="1s",
+    )
+    fields.update(changes)
+    return pgjobs.QueueJob(**fields)
+
+
+@pytest.fixture
+def db(engine):
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    pgjobs.Runner(engine).install()
+    return engine
+
+
+def add_parents(engine, ids, *, factor=1):
+    with engine.begin() as conn:
+        conn.execute(
+            text("insert into parent (id, factor) select unnest(cast(:ids as int[])), :f"),
+            {"ids": list(ids), "f": factor},
+        )
+        # values 1..10: five buckets, two values each
+        conn.execute(
+            text(
+                "insert into source (parent_id, val) select p, v"
+                " from unnest(cast(:ids as int[])) p, generate_series(1, 10) v"
+            ),
+            {"ids": list(ids)},
+        )
+
+
+def derived(engine, parent_id=None):
+    query = "select parent_id, bucket, total, n from derived"
+    if parent_id is not None:
+        query += f" where parent_id = {int(parent_id)}"
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(query + " order by 1, 2"))]
+
+
+def from_scratch(engine, parent_id=None):
+    with engine.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(text(FROM_SCRATCH))]
+    return [r for r in rows if parent_id is None or r[0] == parent_id]
+
+
+def queue_rows(engine):
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                text(
+                    "select job, key::text, attempts, dead_at is not null from pgjobs.queue order by 1, 2"
+                )
+            )
+        ]
+
+
+def push(engine, job, keys):
+    with engine.begin() as conn:
+        return enqueue(conn, job, keys)
+
+
+# -- enqueue -----------------------------------------------------------------------
+def test_a_thousand_enqueues_of_one_key_between_two_ticks_make_one_processing(db):
+    add_parents(db, [7, 8])
+    calls = []
+
+    def compute(conn, keys):
+        calls.append(list(keys))
+        return COMPUTE
+
+    job = make_job(compute=compute)
+    added = []
+    for _ in range(10):  # ten user transactions of a hundred enqueues each
+        with db.begin() as conn:
+            added.extend(enqueue(conn, job, [7]) for _ in range(100))
+    assert sum(added) == 1 and len(added) == 1000
+    assert queue_rows(db) == [("worker", "[7]", 0, False)]
+
+    with pgjobs.Runner(db) as runner:
+        first = runner.tick(job, force=True)
+        second = runner.tick(job, force=True)
+    assert first.outcome == "ran" and first.items == 1, first.error
+    assert calls == [[(7,)]]
+    assert first.stats.inserted == 5
+    assert second.outcome == "idle"
+    assert derived(db) == from_scratch(db, 7)
+    with db.connect() as conn:
+        assert conn.execute(text("select parent_id, rows, runs from status")).all() == [(7, 5, 1)]
+
+
+def test_enqueue_dedups_within_one_call_and_counts_what_it_added(db):
+    job = make_job()
+    assert push(db, job, [3, 1, 3, 2, 1]) == 3
+    assert push(db, job, [1, 2, 4]) == 1
+    assert push(db, "worker", []) == 0
+    assert [r[1] for r in queue_rows(db)] == ["[1]", "[2]", "[3]", "[4]"]
+
+
+def test_enqueue_works_on_a_psycopg_connection_in_the_callers_transaction(db, db_url):
+    dsn = db_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn) as raw:
+        assert enqueue(raw, "worker", [5, 6]) == 2
+        raw.rollback()
+        assert enqueue(raw, "worker", [5]) == 1
+        raw.commit()
+    assert [r[1] for r in queue_rows(db)] == ["[5]"]
+
+
+def test_enqueue_rejects_bad_keys_and_names_the_problem(db):
+    job = pgjobs.QueueJob(
+        name="pairs", target="derived", scope=("parent_id", "bucket"), compute=COMPUTE
+    )
+    with db.begin() as conn:
+        with pytest.raises(pgjobs.ConfigError, match="2 scope value"):
+            enqueue(conn, job, [1])
+        with pytest.raises(pgjobs.ConfigError, match="None"):
+            enqueue(conn, job, [(1, None)])
+        with pytest.raises(pgjobs.ConfigError, match="string"):
+            enqueue(conn, "worker", "abc")
+        with pytest.raises(pgjobs.ConfigError, match="bytes"):
+            enqueue(conn, "worker", [b"x"])
+        assert enqueue(conn, job, [(1, 2), [1, 2]]) == 1
+    assert key_json((1, "a")) == '[1,"a"]'
+
+
+def test_enqueue_without_the_schema_says_how_to_install_it(engine):
+    with engine.begin() as conn, pytest.raises(pgjobs.PgJobsError, match=r"install\(\)"):
+        enqueue(conn, "worker", [1])
+
+
+# -- processing ----------------------------------------------------------------------
+def test_a_batch_is_claimed_in_key_order_computed_once_and_written_as_one_diff(db):
+    add_parents(db, range(1, 8))
+    calls = []
+
+    def compute(conn, keys):
+        calls.append(list(keys))
+        # the temp table of the batch's keys, with the target's column types
+        joined = conn.execute(text("select parent_id from pgjobs_keys order by 1")).scalars().all()
+        assert joined == [k[0] for k in keys]
+        return COMPUTE
+
+    job = make_job(compute=compute, batch_size=3)
+    push(db, job, [5, 1, 7, 3, 2, 6, 4])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+        assert result.outcome == "ran", result.error
+        assert calls == [[(1,), (2,), (3,)]]
+        assert result.items == 3 and result.stats.inserted == 15
+        assert [r[1] for r in queue_rows(db)] == ["[4]", "[5]", "[6]", "[7]"]
+        while runner.tick(job, force=True).outcome == "ran":
+            pass
+    assert calls[1:] == [[(4,), (5,), (6,)], [(7,)]]
+    assert derived(db) == from_scratch(db)
+
+
+def test_a_second_processing_writes_only_the_difference(db):
+    add_parents(db, [1, 2])
+    job = make_job()
+    push(db, job, [1, 2])
+    with pgjobs.Runner(db) as runner:
+        runner.tick(job, force=True)
+        with db.begin() as conn:
+            conn.execute(text("update parent set factor = 2 where id = 1"))
+            conn.execute(text("delete from source where parent_id = 2 and val in (5, 10)"))
+            enqueue(conn, job, [1, 2])
+        result = runner.tick(job, force=True)
+    # parent 1: five totals doubled; parent 2: bucket 0 (values 5 and 10) gone
+    assert (result.stats.inserted, result.stats.updated, result.stats.deleted) == (0, 5, 1)
+    assert result.stats.unchanged == 4
+    assert derived(db) == from_scratch(db)
+
+
+def test_items_whose_parent_is_gone_are_dropped_and_counted(db):
+    add_parents(db, [1, 2, 3])
+    job = make_job()
+    push(db, job, [1, 2, 3, 99])
+    with db.begin() as conn:
+        conn.execute(text("delete from parent where id = 2"))
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran", result.error
+    assert result.items == 2 and result.detail["parent_gone"] == 2
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+    with db.connect() as conn:
+        assert conn.execute(text("select parent_id from status order by 1")).scalars().all() == [
+            1,
+            3,
+        ]
+
+
+def test_worker_releases_items_whose_parent_a_user_holds_and_never_waits_for_it(db):
+    """A user deleting parent 2 holds it FOR UPDATE and then enqueues 2 (as a
+    delete trigger would). The worker, mid-transaction, must not hold 2's
+    entry meanwhile, or the two would deadlock."""
+    add_parents(db, [1, 2, 3])
+    in_compute, finish = threading.Event(), threading.Event()
+
+    def compute(conn, keys):
+        in_compute.set()
+        assert finish.wait(10)
+        return COMPUTE
+
+    job = make_job(compute=compute)
+    push(db, job, [1, 2, 3])
+    user = db.connect()
+    user_tx = user.begin()
+    user.execute(text("set local lock_timeout = '3s'"))
+    user.execute(text("select id from parent where id = 2 for update"))
+
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(pgjobs.Runner(db).tick(job, force=True))
+    )
+    worker.start()
+    try:
+        assert in_compute.wait(10)
+        # The worker is inside its transaction now; 2's entry must be free.
+        user.execute(text("delete from parent where id = 2"))
+        assert enqueue(user, job, [2]) == 0  # pending, now locked by the user
+        user_tx.commit()
+    finally:
+        finish.set()
+        worker.join(10)
+        user.close()
+    (result,) = results
+    assert result.outcome == "ran", result.error
+    assert result.items == 2 and result.detail["deferred"] == 1
+    assert [r[1] for r in queue_rows(db)] == ["[2]"]
+    with pgjobs.Runner(db) as runner:
+        again = runner.tick(job, force=True)
+    assert again.detail["parent_gone"] == 1 and queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+
+
+def test_sql_compute_binds_keys_per_column_for_a_composite_scope(db):
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            """
+            create table cell (x int, y text, weight int not null, primary key (x, y));
+            create table cell_total (
+                x int, y text, part int, value int not null,
+                primary key (x, y, part),
+                foreign key (x, y) references cell (x, y) on delete cascade
+            );
+            insert into cell values (1, 'a', 10), (1, 'b', 20), (2, 'a', 30), (2, 'b', 40);
+            """
+        )
+    seen = []
+
+    def after(conn, keys, stats):
+        seen.append((list(keys), stats.inserted))
+
+    job = pgjobs.QueueJob(
+        name="cells",
+        target="cell_total",
+        scope=("x", "y"),
+        compute=(
+            "select c.x, c.y, part, c.weight * part as value from cell c"
+            " join unnest(cast(:keys_x as int[]), cast(:keys_y as text[])) as k(x, y)"
+            " on (c.x, c.y) = (k.x, k.y)"
+            " cross join generate_series(1, 2) as part"
+            " where c.x = any(:keys)"
+        ),
+        after=after,
+    )
+    push(db, job, [(2, "a"), (1, "b"), (1, "b")])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran", result.error
+    assert seen == [([(1, "b"), (2, "a")], 4)]
+    with db.connect() as conn:
+        rows = conn.execute(text("select x, y, part, value from cell_total order by 1, 2, 3")).all()
+    assert [tuple(r) for r in rows] == [
+        (1, "b", 1, 20),
+        (1, "b", 2, 40),
+        (2, "a", 1, 30),
+        (2, "a", 2, 60),
+    ]
+
+
+# -- the race that DO NOTHING loses ---------------------------------------------------
+def _user_changes_and_enqueues(db, job, *, do_nothing, enqueued, commit_now, committed):
+    """The user's transaction: change parent 1, enqueue 1, wait, commit."""
+    with db.connect() as user:
+        with user.begin():
+            user.execute(text("update parent set factor = 3 where id = 1"))
+            if do_nothing:
+                user.execute(
+                    text(
+                        "insert into pgjobs.queue (job, key) values (:job, '[1]')"
+                        " on conflict (job, key) do nothing"
+                    ),
+                    {"job": job.name},
+                )
+            else:
+                enqueue(user, job, [1])
+            enqueued.set()
+            assert commit_now.wait(10)
+        committed.set()
+
+
+def _race(db, *, do_nothing):
+    add_parents(db, [1])
+    job = make_job()
+    push(db, job, [1])  # the item is pending
+    enqueued, commit_now, committed = threading.Event(), threading.Event(), threading.Event()
+    user = threading.Thread(
+        target=_user_changes_and_enqueues,
+        args=(db, job),
+        kwargs=dict(
+            do_nothing=do_nothing, enqueued=enqueued, commit_now=commit_now, committed=committed
+        ),
+    )
+    user.start()
+    try:
+        assert enqueued.wait(10)  # the user's change and enqueue are not committed
+        with pgjobs.Runner(db) as runner:
+            during = runner.tick(job, force=True)  # the worker claims
+            commit_now.set()
+            assert committed.wait(10)  # the user commits
+            after = []
+            while (r := runner.tick(job, force=True)).outcome == "ran":  # the queue drains
+                after.append(r)
+    finally:
+        commit_now.set()
+        user.join(10)
+    return during, after
+
+
+def test_an_uncommitted_enqueue_keeps_the_worker_off_the_entry_until_commit(db):
+    during, after = _race(db, do_nothing=False)
+    assert during.outcome == "ran", during.error
+    assert during.items == 0  # the entry was locked by the user: skipped, not consumed
+    assert sum(r.items for r in after) == 1
+    assert queue_rows(db) == []
+    assert derived(db, 1) == from_scratch(db, 1)
+    assert {r[2] for r in derived(db, 1)} == {3 * t for t in BASE_TOTALS}
+
+
+def test_do_nothing_instead_would_lose_the_users_change(db):
+    """Why enqueue upserts: the same script with ON CONFLICT DO NOTHING."""
+    during, after = _race(db, do_nothing=True)
+    assert during.items == 1  # consumed while the user's change was uncommitted
+    assert after == [] and queue_rows(db) == []  # nothing left to process it
+    assert derived(db, 1) != from_scratch(db, 1)  # the derived rows are stale for good
+    assert {r[2] for r in derived(db, 1)} == {t for t in BASE_TOTALS}
+
+
+def _wait_until_waiting_on_a_lock(engine, pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            state = conn.execute(
+                text("select wait_event_type from pg_stat_activity where pid = :pid"), {"pid": pid}
+            ).scalar()
+            if state == "Lock":
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"backend {pid} never waited on a lock")
+
+
+def test_an_enqueue_while_the_worker_holds_the_entry_waits_and_requeues_it(db):
+    add_parents(db, [1])
+    in_compute, finish = threading.Event(), threading.Event()
+
+    def compute(conn, keys):
+        in_compute.set()
+        assert finish.wait(10)
+        return COMPUTE
+
+    job = make_job(compute=compute)
+    push(db, job, [1])
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(pgjobs.Runner(db).tick(job, force=True))
+    )
+    worker.start()
+    assert in_compute.wait(10)  # the worker has claimed entry 1 and reads parent 1
+
+    user_done = threading.Event()
+    with db.connect() as user:
+        pid = user.execute(text("select pg_backend_pid()")).scalar_one()
+        user.commit()
+
+        def user_txn():
+            with user.begin():
+                user.execute(
+                    text("update parent set factor = 4 where id = 1")
+                )  # no wait: KEY SHARE
+                enqueue(user, job, [1])  # waits for the worker's entry
+            user_done.set()
+
+        t = threading.Thread(target=user_txn)
+        t.start()
+        try:
+            _wait_until_waiting_on_a_lock(db, pid)
+            assert not user_done.is_set()
+        finally:
+            finish.set()
+            worker.join(10)
+            t.join(10)
+    assert user_done.is_set()
+    (first,) = results
+    assert first.items == 1, first.error
+    assert [r[1] for r in queue_rows(db)] == ["[1]"]  # the user's enqueue survived the delete
+    with pgjobs.Runner(db) as runner:
+        assert runner.tick(job, force=True).items == 1
+    assert derived(db, 1) == from_scratch(db, 1)
+    assert {r[2] for r in derived(db, 1)} == {4 * t for t in BASE_TOTALS}
+
+
+# -- per-item isolation ---------------------------------------------------------------
+def delay_of(engine, key):
+    with engine.connect() as conn:
+        return conn.execute(
+            text("select not_before - now() from pgjobs.queue where key = cast(:k as jsonb)"),
+            {"k": key},
+        ).scalar_one()
+
+
+def make_due(engine):
+    """Move the queue's clock: every waiting item becomes due."""
+    with engine.begin() as conn:
+        conn.execute(text("update pgjobs.queue set not_before = now()"))
+
+
+def test_a_raising_item_is_retried_with_backoff_then_parked_and_the_others_are_written(db):
+    add_parents(db, range(1, 11))
+    bad = {7}
+    calls = []
+
+    def compute(conn, keys):
+        calls.append([k[0] for k in keys])
+        if bad & {k[0] for k in keys}:
+            raise ValueError("cannot score item 7")
+        return COMPUTE
+
+    job = make_job(
+        compute=compute, max_attempts=3, item_backoff=pgjobs.Backoff(initial="10m", factor=2)
+    )
+    push(db, job, range(1, 11))
+    with pgjobs.Runner(db) as runner:
+        first = runner.tick(job, force=True)
+        assert first.outcome == "ran", first.error
+        assert first.items == 9 and first.failed_items == 1
+        assert calls[0] == list(range(1, 11))
+        assert derived(db) == [r for r in from_scratch(db) if r[0] != 7]
+        assert queue_rows(db) == [("worker", "[7]", 1, False)]
+        assert timedelta(minutes=9) < delay_of(db, "[7]") <= timedelta(minutes=10)
+        with db.connect() as conn:
+            error = conn.execute(text("select last_error from pgjobs.queue")).scalar_one()
+        assert "cannot score item 7" in error
+
+        assert runner.tick(job, force=True).outcome == "idle"  # backing off
+
+        make_due(db)
+        second = runner.tick(job, force=True)
+        assert second.failed_items == 1 and second.items == 0
+        assert queue_rows(db) == [("worker", "[7]", 2, False)]
+        assert timedelta(minutes=19) < delay_of(db, "[7]") <= timedelta(minutes=20)
+
+        make_due(db)
+        third = runner.tick(job, force=True)
+        assert third.failed_items == 1 and third.detail["dead"] == 1
+        assert queue_rows(db) == [("worker", "[7]", 3, True)]  # parked, not dropped
+        with db.connect() as conn:
+            (stats,) = queue_stats(conn)
+        assert (stats.job, stats.depth, stats.dead, stats.retrying) == ("worker", 0, 1, 0)
+
+        make_due(db)
+        assert runner.tick(job, force=True).outcome == "idle"  # dead items are not claimed
+
+        bad.clear()
+        assert push(db, job, [7]) == 1  # enqueued again: revived
+        assert queue_rows(db) == [("worker", "[7]", 0, False)]
+        assert runner.tick(job, force=True).items == 1
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+
+
+def test_failing_writes_are_isolated_by_halving_and_the_rest_commit(db):
+    add_parents(db, range(1, 17))
+    with db.begin() as conn:  # negative totals violate derived's check constraint
+        conn.execute(text("update parent set factor = -1 where id in (3, 11, 12)"))
+    job = make_job(max_attempts=5, item_backoff="1m")
+    push(db, job, range(1, 17))
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran", result.error
+    assert result.items == 13 and result.failed_items == 3
+    assert result.stats.inserted == 13 * 5
+    assert [(r[1], r[2]) for r in queue_rows(db)] == [("[11]", 1), ("[12]", 1), ("[3]", 1)]
+    assert derived(db) == [r for r in from_scratch(db) if r[0] not in (3, 11, 12)]
+    with db.connect() as conn:
+        statuses = conn.execute(text("select parent_id from status order by 1")).scalars().all()
+        errors = conn.execute(text("select distinct last_error from pgjobs.queue")).scalars().all()
+    assert statuses == [i for i in range(1, 17) if i not in (3, 11, 12)]
+    assert len(errors) == 3 and all("derived_total_check" in e for e in errors)
+
+
+def test_a_key_that_does_not_fit_the_scope_fails_as_an_item(db):
+    add_parents(db, [1, 2])
+    job = make_job(max_attempts=1)
+    push(db, "worker", [1, "not a number", 2])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran", result.error
+    assert result.items == 2 and result.failed_items == 1 and result.detail["dead"] == 1
+    assert queue_rows(db) == [("worker", '["not a number"]', 1, True)]
+    assert derived(db) == from_scratch(db)
+
+
+def test_a_deadlock_or_timeout_fails_the_run_instead_of_blaming_items(db):
+    add_parents(db, [1, 2])
+
+    def compute(conn, keys):
+        conn.execute(text("set local statement_timeout = '10ms'"))
+        conn.execute(text("select pg_sleep(1)"))
+        return COMPUTE
+
+    job = make_job(compute=compute)
+    push(db, job, [1, 2])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "failed" and result.sqlstate == "57014"
+    assert queue_rows(db) == [("worker", "[1]", 0, False), ("worker", "[2]", 0, False)]
+
+
+# -- status and the trigger ------------------------------------------------------------
+def test_queue_stats_report_depth_due_retrying_dead_and_oldest_age(db):
+    push(db, "a", [1, 2, 3])
+    push(db, "b", [1])
+    with db.begin() as conn:
+        conn.execute(
+            text(
+                "update pgjobs.queue set enqueued_at = now() - interval '1 hour' where key = '[1]'"
+            )
+        )
+        conn.execute(
+            text(
+                "update pgjobs.queue set attempts = 2, not_before = now() + interval '1 minute'"
+                " where job = 'a' and key = '[2]'"
+            )
+        )
+        conn.execute(
+            text(
+                "update pgjobs.queue set attempts = 5, dead_at = now() where job = 'a' and key = '[3]'"
+            )
+        )
+    with db.connect() as conn:
+        a, b = queue_stats(conn)
+    assert (a.job, a.depth, a.due, a.retrying, a.dead) == ("a", 2, 1, 1, 1)
+    assert (b.job, b.depth, b.due, b.retrying, b.dead) == ("b", 1, 1, 0, 0)
+    assert timedelta(minutes=59) < a.oldest_age < timedelta(minutes=61)
+
+
+def test_has_work_is_one_index_probe(db):
+    job = make_job()
+    push(db, job, range(20000))
+    push(db, "other", range(100))
+    with db.begin() as conn:  # all but one of the job's items wait for a retry
+        conn.execute(
+            text(
+                "update pgjobs.queue set not_before = now() + interval '1 hour' where key <> '[0]'"
+            )
+        )
+        conn.exec_driver_sql("analyze pgjobs.queue")
+    with db.connect() as conn:
+        plan = "\n".join(
+            conn.execute(
+                text(
+                    "explain select exists (select from pgjobs.queue where job = :j"
+                    " and dead_at is null and not_before <= now())"
+                ),
+                {"j": job.name},
+            ).scalars()
+        )
+    assert "queue_due_idx" in plan and "Seq Scan" not in plan
+
+
+def test_the_enqueue_trigger_queues_inserted_updated_and_deleted_keys(db):
+    job = make_job()
+    with db.begin() as conn:
+        install_enqueue_trigger(conn, table="parent", job=job, columns=["id"])
+        install_enqueue_trigger(conn, table="parent", job=job, columns=["id"])  # idempotent
+    add_parents(db, [1, 2, 3])
+    assert [r[1] for r in queue_rows(db)] == ["[1]", "[2]", "[3]"]
+    with pgjobs.Runner(db) as runner:
+        assert runner.tick(job, force=True).items == 3
+        assert derived(db) == from_scratch(db)
+        with db.begin() as conn:
+            conn.execute(text("update parent set factor = 2 where id = 2"))
+            conn.execute(text("update parent set id = 30 where id = 3"))
+        assert [r[1] for r in queue_rows(db)] == ["[2]", "[30]", "[3]"]
+        with db.begin() as conn:
+            conn.execute(text("delete from parent where id = 1"))
+        result = runner.tick(job, force=True)
+    assert result.items == 2 and result.detail["parent_gone"] == 2  # 1 deleted, 3 renamed
+    assert derived(db) == from_scratch(db)
+    with db.begin() as conn:
+        drop_enqueue_trigger(conn, table="parent", job=job)
+        conn.execute(text("update parent set factor = 5"))
+    assert queue_rows(db) == []
+
+
+def test_the_enqueue_trigger_checks_its_columns(db):
+    with db.begin() as conn, pytest.raises(pgjobs.ConfigError, match="no column"):
+        install_enqueue_trigger(conn, table="parent", job="worker", columns=["nope"])
+
+
+def test_a_user_holding_a_second_parent_while_enqueueing_never_deadlocks_the_worker(db):
+    """Scope exam, derived rows (exam, student): a user deletes a student, the
+    cascade to answers enqueues the student's exams (trigger) and so waits for
+    the entry the worker holds, while the worker's writer meets the student
+    the user holds. The writer must defer those rows rather than wait."""
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            """
+            create table exam (id int primary key);
+            create table student (id int primary key);
+            create table answer (
+                exam_id int not null references exam on delete cascade,
+                student_id int not null references student on delete cascade,
+                score int not null
+            );
+            create table exam_score (
+                exam_id int not null references exam on delete cascade,
+                student_id int not null references student on delete cascade,
+                total int not null,
+                primary key (exam_id, student_id)
+            );
+            insert into exam values (1), (2);
+            insert into student select generate_series(1, 6);
+            insert into answer select e, s, e * s from generate_series(1, 2) e, generate_series(1, 6) s;
+            """
+        )
+    in_compute, finish = threading.Event(), threading.Event()
+
+    def compute(conn, keys):
+        if not finish.is_set():
+            in_compute.set()
+            assert finish.wait(10)
+        return (
+            "select exam_id, student_id, sum(score) as total from answer"
+            " where exam_id = any(:keys) group by 1, 2"
+        )
+
+    job = pgjobs.QueueJob(name="scores", target="exam_score", scope=("exam_id",), compute=compute)
+    with db.begin() as conn:
+        install_enqueue_trigger(conn, table="answer", job=job, columns=["exam_id"])
+    push(db, job, [1, 2])
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(pgjobs.Runner(db).tick(job, force=True))
+    )
+    worker.start()
+    assert in_compute.wait(10)  # the worker holds the entries of exams 1 and 2
+
+    user_errors = []
+    with db.connect() as user:
+        pid = user.execute(text("select pg_backend_pid()")).scalar_one()
+        user.commit()
+
+        def delete_student():
+            try:
+                with user.begin():
+                    user.execute(text("delete from student where id = 5"))  # -> enqueue 1, 2
+            except Exception as exc:
+                user_errors.append(exc)
+
+        t = threading.Thread(target=delete_student)
+        t.start()
+        try:
+            _wait_until_waiting_on_a_lock(db, pid)  # the trigger waits for the worker's entry
+        finally:
+            finish.set()
+            worker.join(15)
+            t.join(15)
+    assert user_errors == []
+    (result,) = results
+    assert result.outcome == "ran", result.error
+    assert result.detail["rows_deferred"] == 2 and result.detail["kept"] == 2
+    assert result.stats.inserted == 10  # every row but the two of student 5
+    assert [r[1] for r in queue_rows(db)] == ["[1]", "[2]"]  # kept for the next tick
+    with pgjobs.Runner(db) as runner:
+        again = runner.tick(job, force=True)
+    assert again.items == 2 and queue_rows(db) == []
+    with db.connect() as conn:
+        have = conn.execute(text("select * from exam_score order by 1, 2")).all()
+        want = conn.execute(
+            text("select exam_id, student_id, sum(score) from answer group by 1, 2 order by 1, 2")
+        ).all()
+    assert [tuple(r) for r in have] == [tuple(r) for r in want] and len(want) == 10
+
+
+def test_a_key_that_does_not_fit_fails_as_an_item_without_item_parents_too(db):
+    with db.begin() as conn:
+        conn.exec_driver_sql("create table tally (k int primary key, v int not null)")
+    job = pgjobs.QueueJob(
+        name="tally",
+        target="tally",
+        scope=("k",),
+        compute="select k, k * 10 as v from pgjobs_keys",
+        max_attempts=2,
+    )
+    push(db, "tally", [1, 2, "x", 3])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran", result.error
+    assert result.items == 3 and result.failed_items == 1
+    assert queue_rows(db) == [("tally", '["x"]', 1, False)]
+    with db.connect() as conn:
+        assert conn.execute(text("select k, v from tally order by 1")).all() == [
+            (1, 10),
+            (2, 20),
+            (3, 30),
+        ]
