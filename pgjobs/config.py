@@ -25,7 +25,8 @@ Unknown keys are errors, and every error names the file, the key path
 (``jobs.exam-scores.every``) and the bad value.
 
 Modules named in ``plugins`` are imported with the config file's directory
-on ``sys.path``, so a ``jobs.py`` next to ``pgjobs.toml`` works as is.
+on ``sys.path`` (for the import only), so a ``jobs.py`` next to
+``pgjobs.toml`` works as is.
 """
 
 from __future__ import annotations

@@ -358,11 +358,13 @@ class Registry:
 
     # -- checking against a database -------------------------------------------
     def check(self, engine: Engine, names: Iterable[str] | None = None) -> None:
-        """Check jobs against the database before running them, writing nothing:
-        the target table exists, its diff key is usable (a primary key, or
-        NOT NULL columns covered by a unique index), scope and parent columns
-        exist, and SQL given as text runs. Raises :class:`ConfigError` naming
-        the job's config key (or plugin) and what is wrong."""
+        """Check jobs against the database before running them, in a
+        read-only transaction that is rolled back: what the diff writer
+        reflects (the target exists, its diff key is a primary key or NOT NULL
+        columns with a unique index, declared parents exist), a queue job's
+        scope columns, and a recompute's SQL text, planned with LIMIT 0 (no
+        row computed) and its columns matched against the target. Raises
+        :class:`ConfigError` naming the job's config key (or plugin)."""
         entries = self.entries() if names is None else [self.entry(n) for n in names]
         entries = [e for e in entries if isinstance(e.job, RecomputeJob | QueueJob)]
         if not entries:

@@ -312,7 +312,7 @@ def test_a_config_only_recompute_runs_from_toml_with_no_user_python(
         timeout=120,
     )
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "inserted 1, updated 1, deleted 1," in second.stdout
+    assert "inserted 1, updated 1, deleted 1, unchanged 1" in second.stdout
     assert actual() == expected()
 
 
