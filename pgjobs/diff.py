@@ -246,7 +246,7 @@ def _analyze(conn: Connection, *idents: sql.Identifier) -> None:
 
 # -- step 1: the difference ------------------------------------------------------------
 def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dict[str, int]:
-    t = plan.target
+    target = t = plan.target
     s = plan.staged
     key = plan.key
     target_cols = list(dict.fromkeys([*key, *plan.values, *plan.f]))
@@ -307,7 +307,17 @@ def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dic
     _create_temp(conn, plan, plan.d, body)
     if chunk_parents:
         execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
-    _analyze(conn, plan.d)
+    # Statistics for what later plans filter and join on: op, key, parent
+    # columns (new and old), chunk; not the values.
+    analyzed = ["op", *plan.kc()]
+    analyzed += [plan.c[c] for p in target.parents for c in p.columns]
+    analyzed += list(plan.f.values())
+    if chunk_parents:
+        analyzed.append("chunk")
+    execute(
+        conn,
+        sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
+    )
     counts = {"i": 0, "u": 0, "d": 0}
     for op_code, n in execute(
         conn, sql.SQL("select op, count(*) from {} group by op").format(plan.d)
@@ -381,7 +391,8 @@ def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
     new = [plan.c[c] for c in p.columns]
     old = [plan.f[c] for c in p.columns]
     where = _chunk_filter(None, chunk)
-    execute(conn, sql.SQL("truncate {}").format(plan.need[i]))
+    if chunk is not None:
+        execute(conn, sql.SQL("truncate {}").format(plan.need[i]))
     execute(
         conn,
         sql.SQL(
@@ -432,15 +443,15 @@ def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
     )
 
 
-def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[int]:
-    """One locking pass over every parent table, never waiting; returns how
-    many parents of each table are busy (held by another transaction)."""
-    busy: list[int] = []
+def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[int, int]]:
+    """One locking pass over every parent table, never waiting. Returns, per
+    parent table, how many needed parents were not locked and how many of
+    those are busy (held by another transaction) rather than gone."""
+    out: list[tuple[int, int]] = []
     for i, p in enumerate(plan.parents):
         n = [f"n{j}" for j in range(len(p.columns))]
-        execute(conn, sql.SQL("truncate {}, {}").format(plan.alive[i], plan.gone[i]))
         if needs[i] == 0:
-            busy.append(0)
+            out.append((0, 0))
             continue
         # Key order: with SKIP LOCKED it cannot matter for deadlocks, but it is
         # the order a user locking several parents would use, and it keeps
@@ -461,7 +472,7 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[int]:
             ),
         ).rowcount
         if got == needs[i]:
-            busy.append(0)
+            out.append((0, 0))
             continue
         # Missing: gone (deleted and committed) or busy (locked by another
         # transaction, most likely deleting it right now).
@@ -481,10 +492,9 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[int]:
                 alive=plan.alive[i],
             ),
         )
-        busy.append(
-            _count(conn, sql.SQL("select count(*) from {} where busy").format(plan.gone[i]))
-        )
-    return busy
+        busy = _count(conn, sql.SQL("select count(*) from {} where busy").format(plan.gone[i]))
+        out.append((needs[i] - got, busy))
+    return out
 
 
 def _busy_keys(conn: Connection, plan: _Plan) -> list[tuple[int, tuple[Any, ...]]]:
@@ -548,32 +558,35 @@ def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: b
     """Lock this pass's parents (step 2) and fill the ``bad`` table with the
     rows that must be skipped (a needed parent is gone) or deferred (busy)."""
     result = _Locked(since=time.perf_counter())
-    execute(conn, sql.SQL("truncate {}").format(plan.bad))
+    if chunk is not None:
+        # the previous chunk's sets; emptied before any row lock is taken
+        execute(
+            conn,
+            sql.SQL("truncate {}").format(sql.SQL(", ").join([*plan.alive, *plan.gone, plan.bad])),
+        )
     if plan.parents:
         needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
         # Row locks taken after a savepoint are released by rolling back to it.
         execute(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
-        busy = _lock_pass(conn, plan, needs)
-        if any(busy) and wait_busy:
+        passes = _lock_pass(conn, plan, needs)
+        if any(busy for _, busy in passes) and wait_busy:
             # Never wait holding parent locks: give them all back, wait for the
             # busy parents with nothing held, then lock again, once.
             busy_keys = _busy_keys(conn, plan)
             execute(conn, _ROLLBACK_PARENTS)
             result.waits = _wait_for_busy(conn, plan, busy_keys)
             result.since = time.perf_counter()
-            busy = _lock_pass(conn, plan, needs)
+            passes = _lock_pass(conn, plan, needs)
         execute(conn, _RELEASE_PARENTS)
-        result.busy = sum(busy)
-        for i in range(len(plan.parents)):
-            result.dead += _count(
-                conn, sql.SQL("select count(*) from {} where not busy").format(plan.gone[i])
-            )
+        result.busy = sum(busy for _, busy in passes)
+        result.dead = sum(missing - busy for missing, busy in passes)
         if result.busy or result.dead:
             _mark_bad(conn, plan, chunk)
     if plan.self_ref is not None:
         _resolve_self_reference(conn, plan)
-    result.bad = _count(conn, sql.SQL("select count(*) from {}").format(plan.bad))
+    if result.busy or result.dead or plan.self_ref is not None:
+        result.bad = _count(conn, sql.SQL("select count(*) from {}").format(plan.bad))
     return result
 
 
@@ -713,7 +726,10 @@ class _Written:
     deferred_deletes: int = 0
 
 
-def _write_rows(conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool) -> _Written:
+def _write_rows(
+    conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool, planned: dict[str, int]
+) -> _Written:
+    """Step 3 for one pass; ``planned``: this pass's rows in the difference by op."""
     out = _Written()
     t = plan.target
     kc = plan.kc()
@@ -726,6 +742,8 @@ def _write_rows(conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool)
     )
 
     def delete() -> None:
+        if not planned["d"] and not has_bad:
+            return
         victims: sql.Composable = sql.SQL(
             "select {} from {} as d where d.op = 'd' and {} and {}"
         ).format(_ids(kc, "d"), plan.d, where, not_bad)
@@ -750,12 +768,14 @@ def _write_rows(conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool)
             for v in plan.values
         )
         vc = [plan.c[v] for v in plan.values]
-        expected_rows = _count(
-            conn,
-            sql.SQL("select count(*) from {} as d where d.op = 'u' and {} and {}").format(
-                plan.d, where, not_bad
-            ),
-        )
+        expected_rows = planned["u"]
+        if expected_rows and has_bad:
+            expected_rows = _count(
+                conn,
+                sql.SQL("select count(*) from {} as d where d.op = 'u' and {} and {}").format(
+                    plan.d, where, not_bad
+                ),
+            )
         if not expected_rows:
             return
         # Compared again at write time: a row that already holds the new values
@@ -798,6 +818,8 @@ def _write_rows(conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool)
             ).rowcount
 
     def insert() -> None:
+        if not planned["i"]:
+            return
         out.inserted += execute(
             conn,
             sql.SQL(
@@ -895,18 +917,19 @@ def write_diff(
     report("diff", None, None)
     counts = _build_diff(conn, plan, chunk_parents)
     _create_parent_tables(conn, plan)
+    per_chunk: dict[int | None, dict[str, int]] = {}
     if chunk_parents:
-        chunks: list[int | None] = [
-            int(r[0])
-            for r in execute(
-                conn,
-                sql.SQL(
-                    "select chunk from (select distinct chunk from {}) as c "
-                    "order by chunk < 0, abs(chunk)"
-                ).format(plan.d),
-            )
-        ]
+        for chunk_no, op_code, n in execute(
+            conn,
+            sql.SQL("select chunk, op, count(*) from {} group by chunk, op").format(plan.d),
+        ):
+            per_chunk.setdefault(int(chunk_no), {"i": 0, "u": 0, "d": 0})[str(op_code)] = int(n)
+        # parent-ordered chunks first, then the rows without a chunk parent
+        chunks: list[int | None] = sorted(
+            per_chunk, key=lambda c: (c is None or c < 0, abs(c or 0))
+        )
     else:
+        per_chunk[None] = counts
         chunks = [None]
     diff_seconds = time.perf_counter() - started
 
@@ -916,7 +939,7 @@ def write_diff(
     for n, chunk in enumerate(chunks):
         report("lock", n, len(chunks))
         locked = _lock_parents(conn, plan, chunk, wait_busy)
-        written = _write_rows(conn, plan, chunk, locked.bad > 0)
+        written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])
         # Row locks are held from the kept locking pass on (a wait for a busy
         # parent before it held none) to the end of the writes.
         held = time.perf_counter() - locked.since

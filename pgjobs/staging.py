@@ -113,7 +113,14 @@ def stage(
             f"text, a SQLAlchemy selectable or an iterable of rows"
         )
     _add_key(conn, target, ident)
-    execute(conn, sql.SQL("analyze {}").format(ident))
+    # Statistics for the columns plans join on (the key); the values are only
+    # compared, never joined or filtered on, and sampling them costs time.
+    execute(
+        conn,
+        sql.SQL("analyze {} ({})").format(
+            ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
+        ),
+    )
     return Staged(table=ident, name=name, columns=columns, rows=rows, preserve=preserve)
 
 
