@@ -15,37 +15,52 @@ attempts, ``not_before`` and ``last_error``, and ``dead_at`` once parked.
 
 One tick of a :class:`~pgjobs.QueueJob` (:func:`run_queue`)
 -----------------------------------------------------------
-1. Claim up to ``batch_size`` due items (live, ``not_before <= now()``) in
-   key order, ``FOR UPDATE SKIP LOCKED``.
-2. Lock the items' parents (the target's parents whose columns are all scope
-   columns) ``FOR KEY SHARE SKIP LOCKED``. An item whose parent is gone is
-   dropped from the queue and counted (``detail["parent_gone"]``); an item
-   whose parent a user is deleting right now is released and left for the
-   next tick (``detail["deferred"]``). The worker never *waits* for a parent
-   while holding queue entries: a user transaction that locks a parent and
-   then enqueues (a trigger on delete does exactly that) would otherwise
-   deadlock with it.
-3. Put the batch's scope values in the temp table ``pgjobs_keys`` (the scope
-   columns, with the target's types, one row per item) and call
-   ``compute(conn, keys)`` once. SQL (the job's text, or text ``compute``
-   returns) may bind ``:keys``: for a one-column scope, the array of scope
-   values; for a composite scope, the array of the *first* column's values,
-   with ``:keys_<column>`` giving each column's values (parallel arrays, for
-   ``unnest(:keys_a, :keys_b)``). Exact composite matches join ``pgjobs_keys``.
-4. Write one diff scoped to ``pgjobs_keys`` (:func:`pgjobs.diff.write_diff`:
-   parents ``FOR KEY SHARE``, then derived rows), then call
+1. *Claim*, in one statement: read up to ``batch_size`` due items (live,
+   ``not_before <= now()``) in key order; lock their parents (the target's
+   parents whose columns are all scope columns) ``FOR KEY SHARE SKIP
+   LOCKED``; then take the entries of the items whose parents are locked, or
+   gone, ``FOR UPDATE SKIP LOCKED``. Neither lock is ever waited for, and
+   parents come before entries, as in a user transaction that changes a
+   parent and then enqueues it. An item whose parent a user holds (deleting
+   it, say) is not claimed: left for the next tick (``detail["deferred"]``).
+   An item whose parent is gone is dropped from the queue and counted
+   (``detail["parent_gone"]``). An entry a user holds (an uncommitted
+   enqueue) is skipped.
+2. Put the batch's scope values in the temp table ``pgjobs_keys`` (the scope
+   columns with the target's types, one row per item; it lives as long as the
+   session, emptied at each commit) and call ``compute(conn, keys)`` once,
+   ``keys`` being the scope values as tuples. SQL (the job's text, or text
+   ``compute`` returns) may bind ``:keys``: for a one-column scope, the array
+   of scope values; for a composite scope, the array of the *first* column's
+   values, with ``:keys_<column>`` giving each column's values (parallel
+   arrays, for ``unnest(:keys_a, :keys_b)``). Exact composite matches join
+   ``pgjobs_keys``.
+3. Write one diff scoped to ``pgjobs_keys`` (:func:`pgjobs.diff.write_diff`,
+   parents ``FOR KEY SHARE`` then derived rows, with ``wait_busy=False``:
+   holding queue entries, the worker must not wait for any parent), then call
    ``after(conn, keys, stats)`` (the status rows) last: the recompute's lock
-   order, parents -> derived rows -> status.
-5. Delete the processed entries.
+   order, parents -> derived rows -> status. Rows the writer deferred (a
+   second parent a user holds) leave their items queued for the next tick,
+   without ``after`` (``detail["kept"]``).
+4. Delete the processed entries.
 
 Per-item isolation: when the batch fails, it is retried in halves under
 savepoints until the failing items are found; the others commit. A failing
 item gets ``attempts + 1``, ``not_before = now() + item_backoff.delay(attempts)``
 and ``last_error``; after ``max_attempts`` it is parked (``dead_at``), kept
-and visible in :func:`queue_stats` until its key is enqueued again. Errors
-that are nobody's item's fault (deadlock, serialization, lock or statement
-timeout, lost connection) fail the whole run instead, and the runner backs
-the job off.
+and visible in :func:`queue_stats` until its key is enqueued again. A key that
+does not convert to the scope's column types fails the same way. Errors that
+are nobody's item's fault (deadlock, serialization, lock or statement
+timeout, lost connection, a ``ConfigError``) fail the whole run instead, and
+the runner backs the job off.
+
+Installation: :func:`enqueue` needs pgjobs' schema; it is created by
+``pgjobs.Runner(database).install()`` or by any job's first tick.
+
+A plugin that keeps its own queue table can give the job a ``has_work``
+(asked instead of the built-in queue's ``EXISTS``); the items themselves
+still come from the built-in queue (a ``claim`` hook of its own is not
+supported yet).
 """
 
 from __future__ import annotations
@@ -496,35 +511,97 @@ class _Worker:
         if not self.item_parents:
             # Nothing to lock first: keys that don't fit fail in _process.
             return self._claim_rows(None), [], [], {}
-        wanted: list[str] | None = None
-        released: list[str] = []
-        probe = False
-        for round_ in range(4):
-            sp = self._savepoint()
-            claimed = self._claim_rows(wanted)
-            unreadable = self._unreadable(claimed) if probe else {}
-            readable = [i for i in claimed if i not in unreadable]
-            try:
-                ok, gone, deferred = self._lock_parents(readable)
-            except psycopg.DataError:
-                if probe:
-                    raise
-                # A key that does not convert to the scope's types: claim the
-                # same entries again and find it one by one.
-                self._rollback_to(sp)
-                probe, wanted = True, claimed
-                continue
-            if not deferred or not (ok or gone or unreadable) or round_ == 3:
-                # Items still deferred after the last round stay claimed but
-                # untouched: the worker waits for nothing they hold.
-                self._release(sp)
-                return ok, gone, sorted(released + deferred), unreadable
-            # Let go of everything (the deferred entries included, so that the
-            # user deleting their parent can enqueue), and claim the rest again.
+        sp = self._savepoint()
+        try:
+            rows = self.raw.execute(
+                self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
+            )
+            result = rows.fetchall()
+        except psycopg.DataError:
+            # A key that does not convert to the scope's types: claim plainly
+            # and find it one by one (rare, so this path may hold the entries
+            # of deferred items until commit; it still waits for nothing).
             self._rollback_to(sp)
-            released += deferred
-            wanted = ok + gone + list(unreadable)
-        raise AssertionError("unreachable")
+            claimed = self._claim_rows(None)
+            unreadable = self._unreadable(claimed)
+            ok, gone, deferred = self._lock_parents([i for i in claimed if i not in unreadable])
+            return ok, gone, deferred, unreadable
+        self._release(sp)
+        ok, gone, deferred = [], [], []
+        for item, attempts, locked, present, claimed in result:
+            if claimed:
+                self.batch.attempts_of[item] = attempts
+                (ok if present else gone).append(item)
+            elif present and not locked:
+                deferred.append(item)
+            # else: a transaction of a user holds the entry (an uncommitted
+            # enqueue): skipped, like any locked entry
+        return sorted(ok), sorted(gone), sorted(deferred), {}
+
+    def _classify_ctes(self, keys: sql.Composable) -> sql.Composed:
+        """CTEs ``k`` (``keys`` typed), ``p<n>`` (the item parents locked ``FOR KEY
+        SHARE SKIP LOCKED``) and ``s`` (item, locked, present): an item is
+        locked when all its parents are, gone when one of them does not exist."""
+        ctes = [
+            sql.SQL("k as materialized (select i.item, t.* from {} as i, lateral {} as t)").format(
+                keys, self.typed
+            )
+        ]
+        joins, locked, present = [], [], []
+        for n, parent in enumerate(self.item_parents):
+            alias = sql.Identifier(f"p{n}")
+            pcols = sql.SQL(", ").join(sql.Identifier("p", c) for c in parent.parent_columns)
+            ccols = sql.SQL(", ").join(sql.Identifier("k", c) for c in parent.columns)
+            ctes.append(
+                sql.SQL(
+                    "{alias} as materialized (select {pcols} from {table} as p"
+                    " where ({pcols}) in (select {ccols} from k) for key share of p skip locked)"
+                ).format(alias=alias, pcols=pcols, table=parent.table, ccols=ccols)
+            )
+            match = sql.SQL(" and ").join(
+                sql.SQL("{} = {}").format(sql.Identifier(f"p{n}", pc), sql.Identifier("k", c))
+                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
+            )
+            joins.append(sql.SQL("left join {} on {}").format(alias, match))
+            first = sql.Identifier(f"p{n}", parent.parent_columns[0])
+            locked.append(sql.SQL("{} is not null").format(first))
+            exists_match = sql.SQL(" and ").join(
+                sql.SQL("{} = {}").format(sql.Identifier("x", pc), sql.Identifier("k", c))
+                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
+            )
+            present.append(
+                sql.SQL("({} is not null or exists (select from {} as x where {}))").format(
+                    first, parent.table, exists_match
+                )
+            )
+        ctes.append(
+            sql.SQL(
+                "s as materialized (select k.item, {} as locked, {} as present from k {})"
+            ).format(
+                sql.SQL(" and ").join(locked),
+                sql.SQL(" and ").join(present),
+                sql.SQL(" ").join(joins),
+            )
+        )
+        return sql.SQL(", ").join(ctes)
+
+    def _claim_sql(self) -> sql.Composed:
+        """One statement: the due items (no lock), their parents ``FOR KEY
+        SHARE SKIP LOCKED``, then the entries of the items whose parents are
+        locked or gone ``FOR UPDATE SKIP LOCKED``. Parents before entries, the
+        order of a user who changes a parent and then enqueues it, and neither
+        lock ever waited for: an item whose parent a user holds is not claimed
+        at all, so that user's enqueue never waits for the worker."""
+        return sql.SQL(
+            "with due as materialized (select key::text as item from {q} where job = %(job)s"
+            " and dead_at is null and not_before <= now() order by key limit %(n)s), {classify},"
+            " c as materialized (select q.key::text as item, q.attempts from {q} as q"
+            " where q.job = %(job)s and q.key in (select s.item::jsonb from s"
+            " where s.locked or not s.present) and q.dead_at is null and q.not_before <= now()"
+            " order by q.key for update of q skip locked)"
+            " select s.item, c.attempts, s.locked, s.present, c.item is not null"
+            " from s left join c on c.item = s.item"
+        ).format(q=self.queue, classify=self._classify_ctes(sql.SQL("due")))
 
     def _claim_rows(self, wanted: list[str] | None) -> list[str]:
         if wanted is None:
@@ -563,48 +640,12 @@ class _Worker:
         return bad
 
     def _lock_parents(self, items: list[str]) -> tuple[list[str], list[str], list[str]]:
-        """``FOR KEY SHARE SKIP LOCKED`` on every item parent: (locked, gone, deferred)."""
-        if not items or not self.item_parents:
-            return items, [], []
-        ctes = [
-            sql.SQL(
-                "k as materialized (select i.item, t.* from unnest(%s::text[]) as i(item),"
-                " lateral {} as t)"
-            ).format(self.typed)
-        ]
-        joins, locked, present = [], [], []
-        for n, parent in enumerate(self.item_parents):
-            alias = sql.Identifier(f"p{n}")
-            pcols = sql.SQL(", ").join(sql.Identifier("p", c) for c in parent.parent_columns)
-            ccols = sql.SQL(", ").join(sql.Identifier("k", c) for c in parent.columns)
-            ctes.append(
-                sql.SQL(
-                    "{alias} as materialized (select {pcols} from {table} as p"
-                    " where ({pcols}) in (select {ccols} from k) for key share of p skip locked)"
-                ).format(alias=alias, pcols=pcols, table=parent.table, ccols=ccols)
-            )
-            match = sql.SQL(" and ").join(
-                sql.SQL("{} = {}").format(sql.Identifier(f"p{n}", pc), sql.Identifier("k", c))
-                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
-            )
-            joins.append(sql.SQL("left join {} on {}").format(alias, match))
-            first = sql.Identifier(f"p{n}", parent.parent_columns[0])
-            locked.append(sql.SQL("{} is not null").format(first))
-            exists_match = sql.SQL(" and ").join(
-                sql.SQL("{} = {}").format(sql.Identifier("x", pc), sql.Identifier("k", c))
-                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
-            )
-            present.append(
-                sql.SQL("({} is not null or exists (select from {} as x where {}))").format(
-                    first, parent.table, exists_match
-                )
-            )
-        query = sql.SQL("with {} select k.item, {} as locked, {} as present from k {}").format(
-            sql.SQL(", ").join(ctes),
-            sql.SQL(" and ").join(locked),
-            sql.SQL(" and ").join(present),
-            sql.SQL(" ").join(joins),
-        )
+        """For claimed ``items``: (parents locked, a parent gone, a parent busy)."""
+        if not items:
+            return [], [], []
+        query = sql.SQL(
+            "with given as (select unnest(%s::text[]) as item), {} select * from s"
+        ).format(self._classify_ctes(sql.SQL("given")))
         ok, gone, deferred = [], [], []
         for item, is_locked, is_present in self.raw.execute(query, (items,)).fetchall():
             if not is_present:
