@@ -144,10 +144,6 @@ def _eq(left: str, lcols: Sequence[str], right: str, rcols: Sequence[str]) -> sq
     )
 
 
-def _row(alias: str, cols: Sequence[str]) -> sql.Composed:
-    return sql.SQL("row({})").format(_ids(cols, alias))
-
-
 def _not_null(alias: str | None, cols: Sequence[str]) -> sql.Composed:
     return sql.SQL(" and ").join(
         sql.SQL("{} is not null").format(sql.Identifier(alias, c) if alias else sql.Identifier(c))
@@ -994,6 +990,32 @@ def write_diff(
 
 
 # -- the recompute job ---------------------------------------------------------------------
+_LEFTOVERS = """
+select c.relname from pg_class c
+where c.relnamespace = pg_my_temp_schema() and c.relkind = 'r'
+  and c.relname ~ '^pgjobs_(stage|diff|need|alive|gone|bad|selfparents|selflocked)_[0-9]+$'
+"""
+
+
+def _drop_leftovers(conn: Connection) -> None:
+    """Drop the temp tables a failed chunked run left in this session.
+
+    Chunked runs keep theirs across commits (``ON COMMIT PRESERVE ROWS``) and
+    drop them at the end; a run that failed half-way cannot, and a pooled
+    connection would carry them on. At the start of a recompute's
+    transaction any such table is a leftover: the others are dropped at
+    commit."""
+    names = [r[0] for r in execute(conn, _LEFTOVERS).fetchall()]
+    if names:
+        execute(
+            conn,
+            sql.SQL("drop table if exists {}").format(
+                sql.SQL(", ").join(sql.Identifier(n) for n in names)
+            ),
+        )
+        log.info("pgjobs: dropped %d temp table(s) left by a failed chunked run", len(names))
+
+
 def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
     """The body of a :class:`~pgjobs.RecomputeJob`: compute and stage the new
     rows holding no row lock, then :func:`write_diff`. Runs inside the job's
@@ -1004,6 +1026,8 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         raise JobError(
             f"RecomputeJob {job.name!r}: chunk_parents needs a runner that can checkpoint"
         )
+    if chunked:
+        _drop_leftovers(conn)
     target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
     ctx.report("compute", None, None)
     source = job.compute if isinstance(job.compute, str) else job.compute(conn)

@@ -460,3 +460,45 @@ def test_many_rows_without_parents(engine):
     assert query(engine, "select count(*), sum(v) from plain") == [
         (4000, sum(i % 5 for i in range(1, 4001)))
     ]
+
+
+def test_failed_chunked_run_keeps_earlier_chunks_and_its_leftovers_are_dropped(engine):
+    run_sql(
+        engine,
+        """
+        create table parent (id int primary key);
+        create table child (parent_id int not null references parent on delete cascade,
+                            n int not null, v int, primary key (parent_id, n));
+        create function refuse() returns trigger language plpgsql as $$
+        begin
+            if new.v = 999 then raise exception 'refused'; end if;
+            return new;
+        end $$;
+        create trigger child_refuse before insert or update on child
+            for each row execute function refuse();
+        insert into parent select generate_series(1, 10);
+        """,
+    )
+    leftovers = (
+        "select count(*) from pg_class where relnamespace = pg_my_temp_schema()"
+        " and relname ~ '^pgjobs_'"
+    )
+    bad = [(p, 1, 999 if p == 8 else p) for p in range(1, 11)]
+    job = pgjobs.RecomputeJob(name="c", target="child", compute=lambda conn: bad, chunk_parents=3)
+    with engine.connect() as conn, pgjobs.Runner(engine) as runner:
+        runner.install()
+        # one connection throughout: temp tables belong to a session
+        failed = runner.tick_on(conn, job, force=True)
+        assert failed.outcome == "failed" and "refused" in failed.error
+        # chunks of parents 1-3 and 4-6 committed; 7-9 failed
+        assert query(engine, "select parent_id from child order by 1") == [
+            (p,) for p in range(1, 7)
+        ]
+        with conn.begin():
+            assert conn.exec_driver_sql(leftovers).scalar() > 0
+        good = job.replace(compute=lambda conn: [(p, 1, p) for p in range(1, 11)])
+        result = runner.tick_on(conn, good, force=True)
+        assert result.outcome == "ran", result.error
+        assert result.stats == pgjobs.DiffStats(inserted=4, unchanged=6)
+        with conn.begin():
+            assert conn.exec_driver_sql(leftovers).scalar() == 0
