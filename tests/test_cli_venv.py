@@ -1,15 +1,16 @@
 """A plugin package, installed into a fresh virtual environment, is found by
 ``pgjobs list`` with no code change; ``PGJOBS_DISABLE_PLUGINS`` blocks it.
 
-To stay fast and work offline, the fresh environment borrows the *third-party*
-dependencies (SQLAlchemy, psycopg, pluggy, APScheduler, click) of the running
-one through a ``.pth`` line naming its site-packages. A plain path line adds
-that directory to ``sys.path`` without running the ``.pth`` files inside it,
-so the development checkout's editable pgjobs is *not* importable there (the
-test checks that first). pgjobs itself and the plugin are then really built
-and installed into the new environment by pip, from copies of their sources,
-with ``--no-deps``. When the running environment's setuptools can build wheels
-(70.1 or later, or an older one with ``wheel``), pip builds with it
+To stay fast and work offline, the fresh environment borrows pgjobs'
+*third-party* dependencies (SQLAlchemy, psycopg, pluggy, APScheduler, click
+and what they need) from the running one: symbolic links to just those
+distributions, in a directory a ``.pth`` line puts on ``sys.path``. Nothing
+else of the running environment is visible there: not its pgjobs, not any
+plugin installed in it (the test checks both first). pgjobs itself and the
+plugin are then really built and installed into the new environment by pip,
+from copies of their sources, with ``--no-deps``. When the running
+environment's setuptools can build wheels (70.1 or later, or an older one
+with ``wheel``), it is borrowed too and pip builds with it
 (``--no-build-isolation``: offline, a few seconds); otherwise pip fetches
 setuptools into an isolated build environment from its index, as any
 ``pip install`` of a source tree does (slower, and needs the index).
@@ -21,10 +22,11 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -50,6 +52,47 @@ def can_build_here() -> bool:
     except metadata.PackageNotFoundError:
         return False
     return version >= (64, 0)
+
+
+def requirements_of(name: str) -> dict[str, metadata.Distribution]:
+    """``name``'s installed dependencies, recursively, with the extras they ask for."""
+    found: dict[str, metadata.Distribution] = {}
+    extras: dict[str, set[str]] = {}
+    todo: list[tuple[str, set[str]]] = [(name, set())]
+    while todo:
+        wanted, wanted_extras = todo.pop()
+        dist = metadata.distribution(wanted)
+        key = canonicalize_name(dist.metadata["Name"])
+        if key in found and wanted_extras <= extras[key]:
+            continue
+        found[key] = dist
+        extras[key] = extras.get(key, set()) | wanted_extras
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(
+                req.marker.evaluate({"extra": e}) for e in {"", *extras[key]}
+            ):
+                todo.append((req.name, set(req.extras)))
+    return found
+
+
+def borrow(dists: list[metadata.Distribution], into: Path) -> None:
+    """Link the top-level files of ``dists`` (packages, modules, dist-info) into ``into``."""
+    into.mkdir()
+    for dist in dists:
+        root = Path(str(dist.locate_file(""))).resolve()
+        tops = {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+        for top in tops:
+            if not (into / top).exists() and (root / top).exists():
+                (into / top).symlink_to(root / top)
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def copy_source(src: Path, dest: Path, names: list[str]) -> Path:
@@ -79,7 +122,13 @@ def test_an_installed_plugin_is_listed_and_can_be_disabled(
             env={},
         ).stdout.strip()
     )
-    (site / "_borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    dependencies = requirements_of("pgjobs")
+    dependencies.pop("pgjobs")
+    borrowed = list(dependencies.values())
+    if can_build_here():
+        borrowed += [metadata.distribution(n) for n in ("setuptools", "wheel") if _installed(n)]
+    borrow(borrowed, tmp_path / "borrowed")
+    (site / "_borrowed.pth").write_text(f"{tmp_path / 'borrowed'}\n")
 
     env = {
         k: v
