@@ -11,6 +11,7 @@ from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
 from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
+from .queue import enqueue
 from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
 from .runner import RunContext, Runner, run_once
@@ -35,6 +36,7 @@ __all__ = [
     "Runner",
     "Scheduler",
     "TaskJob",
+    "enqueue",
     "get_registry",
     "hookimpl",
     "lifespan",
