@@ -72,23 +72,11 @@ def _verbosity(func: F) -> F:
     )
 
 
-class _Fail(Exception):
-    """Leave with an exit code after printing ``message`` to stderr."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
     """Config and plugin errors exit 2; database trouble exits 1, with one readable line."""
     try:
         yield
-    except _Fail as exc:
-        if str(exc):
-            click.echo(f"pgjobs: {exc}", err=True)
-        sys.exit(exc.code)
     except PgJobsError as exc:
         click.echo(f"pgjobs: error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
@@ -332,7 +320,7 @@ def once(
         else:
             click.echo(_summary(result))
         if result.outcome in (Outcome.FAILED, Outcome.BUSY):
-            raise _Fail(EXIT_FAILED, "")
+            sys.exit(EXIT_FAILED)
 
 
 # -- list ----------------------------------------------------------------------------
@@ -567,7 +555,7 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                         f"\n{r['job']}: failing ({r['failures']}x){state}: {r['last_error']}"
                     )
         if any(r["failures"] for r in rows):
-            raise _Fail(EXIT_FAILED, "")
+            sys.exit(EXIT_FAILED)
 
 
 # -- demo ----------------------------------------------------------------------------

@@ -222,6 +222,7 @@ class Scheduler:
             aps, self._aps = self._aps, None
             self._stopping.set()
         if aps is None:
+            self.runner.close()  # start() may have failed after connecting
             return
         aps.shutdown(wait=wait)
         if wait:
