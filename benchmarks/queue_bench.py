@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['batch_size']:>6} {s['mode']:>7} {s['items']:>7} {s['items_per_s']:>9.0f}"
             f" {s['ms_per_tick']:>8.2f}"
         )
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"idle tick: median {idle['median_ms']:.2f} ms, p95 {idle['p95_ms']:.2f} ms")
     b100 = [s["items_per_s"] for s in summary if s["batch_size"] == 100]
     print(f"target >= 5000 items/s at batch 100: {'met' if min(b100) >= 5000 else 'NOT met'}")
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 "python": sys.version.split()[0],
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
+                "load_average": os.getloadavg(),
                 "derived_rows_per_item": 5,
                 "summary": summary,
                 "runs": rows,

@@ -528,26 +528,29 @@ class _Worker:
             return ok, gone, deferred, unreadable
         self._release(sp)
         ok, gone, deferred = [], [], []
-        for item, attempts, locked, present, claimed in result:
+        # Items neither listed as claimed nor deferred have an entry that a
+        # user's transaction holds (an uncommitted enqueue): skipped.
+        for item, attempts, is_gone, claimed in result:
             if claimed:
                 self.batch.attempts_of[item] = attempts
-                (ok if present else gone).append(item)
-            elif present and not locked:
+                (gone if is_gone else ok).append(item)
+            else:
                 deferred.append(item)
-            # else: a transaction of a user holds the entry (an uncommitted
-            # enqueue): skipped, like any locked entry
         return sorted(ok), sorted(gone), sorted(deferred), {}
 
     def _classify_ctes(self, keys: sql.Composable) -> sql.Composed:
-        """CTEs ``k`` (``keys`` typed), ``p<n>`` (the item parents locked ``FOR KEY
-        SHARE SKIP LOCKED``) and ``s`` (item, locked, present): an item is
-        locked when all its parents are, gone when one of them does not exist."""
+        """CTEs ``k`` (the jsonb ``item`` of ``keys``, typed), ``p<n>`` (the item
+        parents, locked ``FOR KEY SHARE SKIP LOCKED``) and ``s`` (item, locked,
+        present): an item is locked when all its parents are, gone when one of
+        them does not exist. Membership tests are ``IN (subquery)``, which
+        PostgreSQL hashes: a join between CTEs (no statistics) would be a
+        nested loop, quadratic in the batch size."""
         ctes = [
             sql.SQL("k as materialized (select i.item, t.* from {} as i, lateral {} as t)").format(
                 keys, self.typed
             )
         ]
-        joins, locked, present = [], [], []
+        locked, present = [], []
         for n, parent in enumerate(self.item_parents):
             alias = sql.Identifier(f"p{n}")
             pcols = sql.SQL(", ").join(sql.Identifier("p", c) for c in parent.parent_columns)
@@ -558,29 +561,20 @@ class _Worker:
                     " where ({pcols}) in (select {ccols} from k) for key share of p skip locked)"
                 ).format(alias=alias, pcols=pcols, table=parent.table, ccols=ccols)
             )
+            is_locked = sql.SQL("({}) in (select * from {})").format(ccols, alias)
+            locked.append(is_locked)
             match = sql.SQL(" and ").join(
-                sql.SQL("{} = {}").format(sql.Identifier(f"p{n}", pc), sql.Identifier("k", c))
-                for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
-            )
-            joins.append(sql.SQL("left join {} on {}").format(alias, match))
-            first = sql.Identifier(f"p{n}", parent.parent_columns[0])
-            locked.append(sql.SQL("{} is not null").format(first))
-            exists_match = sql.SQL(" and ").join(
                 sql.SQL("{} = {}").format(sql.Identifier("x", pc), sql.Identifier("k", c))
                 for c, pc in zip(parent.columns, parent.parent_columns, strict=True)
             )
             present.append(
-                sql.SQL("({} is not null or exists (select from {} as x where {}))").format(
-                    first, parent.table, exists_match
+                sql.SQL("({} or exists (select from {} as x where {}))").format(
+                    is_locked, parent.table, match
                 )
             )
         ctes.append(
-            sql.SQL(
-                "s as materialized (select k.item, {} as locked, {} as present from k {})"
-            ).format(
-                sql.SQL(" and ").join(locked),
-                sql.SQL(" and ").join(present),
-                sql.SQL(" ").join(joins),
+            sql.SQL("s as materialized (select k.item, {} as locked, {} as present from k)").format(
+                sql.SQL(" and ").join(locked), sql.SQL(" and ").join(present)
             )
         )
         return sql.SQL(", ").join(ctes)
@@ -591,16 +585,24 @@ class _Worker:
         locked or gone ``FOR UPDATE SKIP LOCKED``. Parents before entries, the
         order of a user who changes a parent and then enqueues it, and neither
         lock ever waited for: an item whose parent a user holds is not claimed
-        at all, so that user's enqueue never waits for the worker."""
+        at all, so that user's enqueue never waits for the worker.
+
+        Rows: (item, attempts, gone, claimed) for claimed entries, then
+        (item, null, false, false) for deferred items."""
         return sql.SQL(
-            "with due as materialized (select key::text as item from {q} where job = %(job)s"
+            "with due as materialized (select key as item from {q} where job = %(job)s"
             " and dead_at is null and not_before <= now() order by key limit %(n)s), {classify},"
-            " c as materialized (select q.key::text as item, q.attempts from {q} as q"
-            " where q.job = %(job)s and q.key in (select s.item::jsonb from s"
-            " where s.locked or not s.present) and q.dead_at is null and q.not_before <= now()"
-            " order by q.key for update of q skip locked)"
-            " select s.item, c.attempts, s.locked, s.present, c.item is not null"
-            " from s left join c on c.item = s.item"
+            # One primary-key probe per item (a lateral subquery, so that no
+            # plan can turn it into a scan of the job's whole queue). No need
+            # to test dead_at and not_before again: only a worker of the job's
+            # group changes them, and this one holds the group lock.
+            " c as materialized (select e.key, e.attempts from s, lateral"
+            " (select q.key, q.attempts from {q} as q where q.job = %(job)s and q.key = s.item"
+            " for update of q skip locked) as e where s.locked or not s.present)"
+            " select c.key::text, c.attempts, c.key in (select item from s where not present),"
+            " true from c"
+            " union all select s.item::text, null, false, false from s"
+            " where s.present and not s.locked"
         ).format(q=self.queue, classify=self._classify_ctes(sql.SQL("due")))
 
     def _claim_rows(self, wanted: list[str] | None) -> list[str]:
@@ -644,7 +646,8 @@ class _Worker:
         if not items:
             return [], [], []
         query = sql.SQL(
-            "with given as (select unnest(%s::text[]) as item), {} select * from s"
+            "with given as (select unnest(%s::text[])::jsonb as item), {}"
+            " select item::text, locked, present from s"
         ).format(self._classify_ctes(sql.SQL("given")))
         ok, gone, deferred = [], [], []
         for item, is_locked, is_present in self.raw.execute(query, (items,)).fetchall():
@@ -742,11 +745,17 @@ class _Worker:
         b.done.extend(items)
 
     def _delete(self, items: list[str]) -> None:
+        # One primary-key probe per entry, then a TID scan: "key = any(...)"
+        # may be planned as a scan of the job's whole queue (stale statistics
+        # on a table that churns). The entries are locked by this transaction,
+        # so their ctid cannot change between the probe and the delete.
         self.raw.execute(
-            sql.SQL("delete from {} where job = %s and key = any(%s::text[]::jsonb[])").format(
-                self.queue
-            ),
-            (self.job.name, items),
+            sql.SQL(
+                "delete from {q} where ctid = any(array(select e.ctid"
+                " from unnest(%s::text[]) as i(item), lateral (select q.ctid from {q} as q"
+                " where q.job = %s and q.key = i.item::jsonb limit 1) as e))"
+            ).format(q=self.queue),
+            (items, self.job.name),
         )
 
     def _record_failures(self) -> int:

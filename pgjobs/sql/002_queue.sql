@@ -15,7 +15,9 @@ create table {schema}.queue (
     primary key (job, key)
 );
 
--- has_pending: one index probe per job for a due, live item.
+-- has_pending: one index probe per job for a due, live item, however many
+-- items wait for a retry. The claim reads due items in key order through the
+-- primary key (job, key) once the table has statistics.
 create index queue_due_idx on {schema}.queue (job, not_before) where dead_at is null;
 
 -- The one definition of "enqueue", used by pgjobs.enqueue() and by the trigger.
