@@ -459,7 +459,12 @@ def test_bad_inputs_exit_2_naming_what_is_wrong_and_write_nothing(
     plugins: dict[str, str],
     args: list[str],
     message: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if case == "override-unknown-job":
+        # With installed plugins filtered out, an override of a job nobody
+        # registers is only a warning (its plugin may be the one switched off).
+        monkeypatch.delenv("PGJOBS_LOAD_PLUGINS")
     with engine.begin() as conn:
         conn.execute(text("create table exam (id int primary key)"))
         conn.execute(
