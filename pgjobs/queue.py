@@ -101,6 +101,10 @@ _NOT_INSTALLED = (
     "pgjobs.Runner(database).install() (or run any job) before enqueueing"
 )
 
+#: savepoints one tick may take to isolate failing items (PostgreSQL caches 64
+#: subtransactions per transaction; beyond that, snapshots slow down)
+_MAX_SAVEPOINTS = 48
+
 #: batches with more keys than this get their keys table analyzed
 _ANALYZE_KEYS = 1000
 
@@ -526,7 +530,7 @@ class _Worker:
             unreadable = self._unreadable(claimed)
             ok, gone, deferred = self._lock_parents([i for i in claimed if i not in unreadable])
             return ok, gone, deferred, unreadable
-        self._release(sp)
+        # The savepoint stays open (the commit releases it): a round trip saved.
         ok, gone, deferred = [], [], []
         # Items neither listed as claimed nor deferred have an entry that a
         # user's transaction holds (an uncommitted enqueue): skipped.
@@ -670,6 +674,18 @@ class _Worker:
             self._rollback_to(sp)
             if len(items) == 1:
                 self.batch.failed[items[0]] = exc
+                return
+            if self._savepoints >= _MAX_SAVEPOINTS:
+                # Past some 64 subtransactions in one transaction, every
+                # snapshot in the database gets slower: leave the rest queued,
+                # untouched, for the next tick (the items found failing so far
+                # back off meanwhile).
+                log.warning(
+                    "pgjobs: %s: %d item(s) left for the next tick: too many failures to isolate",
+                    self.job.name,
+                    len(items),
+                )
+                self.batch.kept.extend(items)
                 return
             log.info(
                 "pgjobs: %s: a batch of %d items failed (%s); isolating the failing items",

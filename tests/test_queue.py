@@ -800,3 +800,29 @@ def test_a_key_that_does_not_fit_fails_as_an_item_without_item_parents_too(db):
             (2, 20),
             (3, 30),
         ]
+
+
+def test_many_failures_stop_isolating_at_a_bound_and_leave_the_rest_for_later(db):
+    add_parents(db, range(1, 65))
+
+    def compute(conn, keys):
+        if any(k[0] % 2 for k in keys):
+            raise ValueError("odd items fail")
+        return COMPUTE
+
+    job = make_job(compute=compute, batch_size=64, max_attempts=3, item_backoff="10m")
+    push(db, job, range(1, 65))
+    with pgjobs.Runner(db) as runner:
+        first = runner.tick(job, force=True)
+        assert first.outcome == "ran", first.error
+        kept = first.detail["kept"]
+        assert kept > 0  # the bound was reached
+        assert first.items + first.failed_items + kept == 64
+        ticks = 1
+        while runner.tick(job, force=True).outcome == "ran":
+            ticks += 1
+    rows = {r[1]: (r[2], r[3]) for r in queue_rows(db)}
+    assert set(rows) == {f"[{i}]" for i in range(1, 65, 2)}  # every odd item, none lost
+    assert set(rows.values()) == {(1, False)}  # each failed once, backing off
+    assert derived(db) == [r for r in from_scratch(db) if r[0] % 2 == 0]
+    assert ticks > 1
