@@ -65,6 +65,7 @@ supported yet).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -285,8 +286,6 @@ def _trigger_columns(columns: Sequence[str], job: str | QueueJob) -> tuple[str, 
 def _trigger_name(job: str, event: str) -> str:
     # Trigger names are per table and at most 63 bytes: a digest keeps them
     # unique per job however long the job's name is.
-    import hashlib
-
     digest = hashlib.sha1(job.encode()).hexdigest()[:10]
     return f"pgjobs_enqueue_{digest}_{event}"
 
