@@ -66,7 +66,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import execute
+from ._pg import driver, execute
 from .errors import ConfigError, JobError
 from .results import DiffStats, Execution
 from .staging import Staged, stage, temp_name
@@ -303,6 +304,9 @@ def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dic
     _create_temp(conn, plan, plan.d, body)
     if chunk_parents:
         execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
+    if plan.self_ref is not None:
+        # resolving self-references looks rows of the difference up by key
+        execute(conn, sql.SQL("create index on {} ({})").format(plan.d, _ids(plan.kc())))
     # Statistics for what later plans filter and join on: op, key, parent
     # columns (new and old), chunk; not the values.
     analyzed = ["op", *plan.kc()]
@@ -332,34 +336,93 @@ def _chunk_parent(plan: _Plan) -> ParentRef | None:
 
 
 def _with_chunks(plan: _Plan, body: sql.Composable, chunk_parents: int) -> sql.Composable:
-    # Each row gets a chunk number: (dense rank of its chunk parent) / N. A
-    # row's chunk parent is the new one (inserts, updates) or the old one
+    # Each row gets a chunk number: (rank of its chunk parent) / N, the rank
+    # taken over the distinct parents (a small sort, not one of every row).
+    # A row's chunk parent is the new one (inserts, updates) or the old one
     # (deletes). Rows with no such parent are chunked N at a time by key,
-    # with negative numbers, after the others.
+    # with negative numbers, after the others. (This CTE is only the body of
+    # CREATE TABLE AS; the table is analyzed before anything plans on it.)
     kc = plan.kc()
+    n = sql.Literal(chunk_parents)
     parent = _chunk_parent(plan)
     if parent is None:
-        chunk = sql.SQL("(row_number() over (order by {}) - 1) / {}").format(
-            _ids(kc, "x"), sql.Literal(chunk_parents)
+        return sql.SQL(
+            "select x.*, (row_number() over (order by {k}) - 1) / {n} as chunk from ({body}) as x"
+        ).format(k=_ids(kc, "x"), n=n, body=body)
+    p = [f"p{j}" for j in range(len(parent.columns))]
+    pexprs = sql.SQL(", ").join(
+        sql.SQL("case when x.op = 'd' then {} else {} end as {}").format(
+            sql.Identifier("x", plan.f[c]), sql.Identifier("x", plan.c[c]), sql.Identifier(pj)
         )
-    else:
-        pcols = [
-            sql.SQL("case when x.op = 'd' then {} else {} end").format(
-                sql.Identifier("x", plan.f[c]), sql.Identifier("x", plan.c[c])
+        for c, pj in zip(parent.columns, p, strict=True)
+    )
+    d_cols = sql.SQL(", ").join(
+        sql.Identifier("y", c) for c in ["op", *plan.c.values(), *plan.f.values()]
+    )
+    return sql.SQL(
+        "with y as materialized (select x.*, {pexprs} from ({body}) as x), "
+        "m as (select {p}, (row_number() over (order by {p}) - 1) / {n} as chunk "
+        "      from (select distinct {p} from y where {p_nn}) as q) "
+        "select {d_cols}, m.chunk from y join m on {on} "
+        "union all "
+        "select {d_cols}, -1 - (row_number() over (order by {yk}) - 1) / {n} from y "
+        "where not ({yp_nn})"
+    ).format(
+        pexprs=pexprs,
+        body=body,
+        p=_ids(p),
+        n=n,
+        p_nn=_not_null(None, p),
+        d_cols=d_cols,
+        on=_eq("y", p, "m", p),
+        yk=_ids(kc, "y"),
+        yp_nn=_not_null("y", p),
+    )
+
+
+# -- plan steering ----------------------------------------------------------------------
+#: below this share of the target's rows, a pass is written with keyed plans
+_KEYED_FRACTION = 0.05
+
+# a plain table, or the leaves of a partitioned one (pg_partition_tree lists
+# nothing for a plain table)
+_ESTIMATED_ROWS = """
+select coalesce(sum(greatest(c.reltuples, 0)), 0)::float8 from pg_class c
+where (c.oid = %(oid)s and c.relkind = 'r')
+   or c.oid in (select relid from pg_partition_tree(%(oid)s::oid) where isleaf)
+"""
+
+
+def _estimated_rows(conn: Connection, target: Target) -> float:
+    row = execute(conn, _ESTIMATED_ROWS, {"oid": target.oid}).fetchone()
+    return float(row[0]) if row and row[0] is not None else 0.0
+
+
+@contextmanager
+def _keyed_plans(conn: Connection, on: bool) -> Iterator[None]:
+    """Within the block, plan joins as nested loops over indexes (when ``on``).
+
+    Used only around the locking pass and the writes of a pass that touches
+    few of the target's rows; the previous settings come back after it.
+    """
+    if not on:
+        yield
+        return
+    previous = execute(
+        conn,
+        "select current_setting('enable_hashjoin'), current_setting('enable_mergejoin'),"
+        " set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)",
+    ).fetchone()
+    assert previous is not None
+    try:
+        yield
+    finally:
+        if driver(conn).info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            execute(
+                conn,
+                "select set_config('enable_hashjoin', %s, true), set_config('enable_mergejoin', %s, true)",
+                (previous[0], previous[1]),
             )
-            for c in parent.columns
-        ]
-        has_parent = sql.SQL(" and ").join(sql.SQL("({}) is not null").format(p) for p in pcols)
-        chunk = sql.SQL(
-            "case when {has} then (dense_rank() over (partition by {has} order by {p}) - 1) / {n} "
-            "else -1 - (row_number() over (partition by {has} order by {k}) - 1) / {n} end"
-        ).format(
-            has=has_parent,
-            p=sql.SQL(", ").join(pcols),
-            k=_ids(kc, "x"),
-            n=sql.Literal(chunk_parents),
-        )
-    return sql.SQL("select x.*, {} as chunk from ({}) as x").format(chunk, body)
 
 
 # -- step 2: the parents -----------------------------------------------------------------
@@ -435,8 +498,11 @@ def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
         conn,
         plan,
         plan.bad,
-        sql.SQL("select {}, false as defer from {} with no data").format(_ids(kc), plan.d),
+        # op: the row's op in the difference; NULL for an unchanged staged row
+        sql.SQL("select {}, false as defer, op from {} with no data").format(_ids(kc), plan.d),
     )
+    # looked up by key from every write statement that leaves bad rows out
+    execute(conn, sql.SQL("create index on {} ({})").format(plan.bad, _ids(kc)))
 
 
 def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[int, int]]:
@@ -550,7 +616,9 @@ _ROLLBACK_PARENTS = sql.SQL("rollback to savepoint pgjobs_parents")
 _RELEASE_PARENTS = sql.SQL("release savepoint pgjobs_parents")
 
 
-def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: bool) -> _Locked:
+def _lock_parents(
+    conn: Connection, plan: _Plan, chunk: int | None, wait_busy: bool, keyed: bool
+) -> _Locked:
     """Lock this pass's parents (step 2) and fill the ``bad`` table with the
     rows that must be skipped (a needed parent is gone) or deferred (busy)."""
     result = _Locked(since=time.perf_counter())
@@ -565,7 +633,8 @@ def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: b
         # Row locks taken after a savepoint are released by rolling back to it.
         execute(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
-        passes = _lock_pass(conn, plan, needs)
+        with _keyed_plans(conn, keyed):
+            passes = _lock_pass(conn, plan, needs)
         if any(busy for _, busy in passes) and wait_busy:
             # Never wait holding parent locks: give them all back, wait for the
             # busy parents with nothing held, then lock again, once.
@@ -573,7 +642,8 @@ def _lock_parents(conn: Connection, plan: _Plan, chunk: int | None, wait_busy: b
             execute(conn, _ROLLBACK_PARENTS)
             result.waits = _wait_for_busy(conn, plan, busy_keys)
             result.since = time.perf_counter()
-            passes = _lock_pass(conn, plan, needs)
+            with _keyed_plans(conn, keyed):
+                passes = _lock_pass(conn, plan, needs)
         execute(conn, _RELEASE_PARENTS)
         result.busy = sum(busy for _, busy in passes)
         result.dead = sum(missing - busy for missing, busy in passes)
@@ -597,7 +667,7 @@ def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
         # matters (a gone old parent took its rows with it).
         parts.append(
             sql.SQL(
-                "select {dk}, g.busy from {d} as d join {gone} as g on {on} "
+                "select {dk}, g.busy, d.op from {d} as d join {gone} as g on {on} "
                 "where d.op <> 'd' and {w}"
             ).format(
                 dk=_ids(kc, "d"),
@@ -609,7 +679,7 @@ def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
         )
         parts.append(
             sql.SQL(
-                "select {dk}, true from {d} as d join {gone} as g on {on} "
+                "select {dk}, true, d.op from {d} as d join {gone} as g on {on} "
                 "where d.op <> 'i' and g.busy and {w}"
             ).format(
                 dk=_ids(kc, "d"),
@@ -622,7 +692,8 @@ def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
     execute(
         conn,
         sql.SQL(
-            "insert into {bad} select {k}, bool_or(defer) from ({u}) as b ({k}, defer) group by {k}"
+            "insert into {bad} select {k}, bool_or(defer), min(op) from ({u}) as b ({k}, defer, op) "
+            "group by {k}"
         ).format(bad=plan.bad, k=_ids(kc), u=sql.SQL(" union all ").join(parts)),
     )
     _analyze(conn, plan.bad)
@@ -689,8 +760,9 @@ def _resolve_self_reference(conn: Connection, plan: _Plan) -> None:
         "coalesce((select b.defer from {bad} as b where {on}), {existing} and not {locked_ok})"
     ).format(bad=plan.bad, on=_eq("b", kc, "s", fk), existing=existing, locked_ok=locked_ok)
     statement = sql.SQL(
-        "insert into {bad} ({kc}, defer) "
-        "select {sk}, {parent_defer} from {s} as s "
+        "insert into {bad} ({kc}, defer, op) "
+        "select {sk}, {parent_defer}, "
+        "(select dd.op from {d} as dd where {dd_on}) from {s} as s "
         "where {nn} and {lf} and not exists (select from {bad} as b where {bon}) "
         "and not ({in_stage_ok} or ({locked_ok} and not {deleted}))"
     ).format(
@@ -702,6 +774,8 @@ def _resolve_self_reference(conn: Connection, plan: _Plan) -> None:
         nn=_not_null("s", fk),
         lf=loop_free,
         bon=_eq("b", kc, "s", key),
+        d=plan.d,
+        dd_on=_eq("dd", kc, "s", key),
         in_stage_ok=in_stage_ok,
         locked_ok=locked_ok,
         deleted=deleted,
@@ -749,10 +823,13 @@ def _write_rows(
             victims = sql.SQL("{} union all select {} from {} where not defer").format(
                 victims, _ids(kc), plan.bad
             )
+        # The two victim sets are disjoint (bad 'd' rows are only ever
+        # deferred), so a join: the victims drive, the key index finds rows.
+        vk = [f"k{j}" for j in range(len(key))]
         out.deleted += execute(
             conn,
-            sql.SQL("delete from {t} as t where ({k}) in ({v})").format(
-                t=t.ident, k=_ids(key, "t"), v=victims
+            sql.SQL("delete from {t} as t using ({v}) as v ({vk}) where {on}").format(
+                t=t.ident, v=victims, vk=_ids(vk), on=_eq("t", key, "v", vk)
             ),
         ).rowcount
 
@@ -843,11 +920,10 @@ def _write_rows(
         rows = execute(
             conn,
             sql.SQL(
-                "select coalesce(sum((not b.defer)::int), 0), "
-                "coalesce(sum((b.defer and d.op is distinct from 'd')::int), 0), "
-                "coalesce(sum((b.defer and d.op = 'd')::int), 0) "
-                "from {bad} as b left join {d} as d on {on}"
-            ).format(bad=plan.bad, d=plan.d, on=_eq("b", kc, "d", kc)),
+                "select coalesce(sum((not defer)::int), 0), "
+                "coalesce(sum((defer and op is distinct from 'd')::int), 0), "
+                "coalesce(sum((defer and op = 'd')::int), 0) from {bad}"
+            ).format(bad=plan.bad),
         ).fetchone()
         assert rows is not None
         out.skipped, out.deferred, out.deferred_deletes = int(rows[0]), int(rows[1]), int(rows[2])
@@ -927,6 +1003,7 @@ def write_diff(
     else:
         per_chunk[None] = counts
         chunks = [None]
+    target_rows = _estimated_rows(conn, target)
     diff_seconds = time.perf_counter() - started
 
     inserted = updated = deleted = skipped = deferred = deferred_deletes = 0
@@ -934,8 +1011,15 @@ def write_diff(
     busy = dead = waits = 0
     for n, chunk in enumerate(chunks):
         report("lock", n, len(chunks))
-        locked = _lock_parents(conn, plan, chunk, wait_busy)
-        written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])
+        # A pass touching a small part of the target is written through its
+        # key index (nested loops), not by scanning the whole table: the
+        # planner prices cached index probes too high, and in the lock window
+        # a full scan of a 500k-row target per chunk costs ten times more.
+        rows_in_pass = sum(per_chunk[chunk].values())
+        keyed = rows_in_pass < _KEYED_FRACTION * target_rows
+        locked = _lock_parents(conn, plan, chunk, wait_busy, keyed)
+        with _keyed_plans(conn, keyed):
+            written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])
         # Row locks are held from the kept locking pass on (a wait for a busy
         # parent before it held none) to the end of the writes.
         held = time.perf_counter() - locked.since
