@@ -505,7 +505,9 @@ def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
     execute(conn, sql.SQL("create index on {} ({})").format(plan.bad, _ids(kc)))
 
 
-def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[int, int]]:
+def _lock_pass(
+    conn: Connection, plan: _Plan, needs: list[int], keyed: bool
+) -> list[tuple[int, int]]:
     """One locking pass over every parent table, never waiting. Returns, per
     parent table, how many needed parents were not locked and how many of
     those are busy (held by another transaction) rather than gone."""
@@ -518,21 +520,8 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[in
         # Key order: with SKIP LOCKED it cannot matter for deadlocks, but it is
         # the order a user locking several parents would use, and it keeps
         # this pass's footprint on the parent table sequential.
-        got = execute(
-            conn,
-            sql.SQL(
-                "insert into {alive} ({n}) select {pc} from {parent} as p "
-                "where ({pcp}) in (select {n} from {need}) order by {pcp} "
-                "for key share of p skip locked"
-            ).format(
-                alive=plan.alive[i],
-                n=_ids(n),
-                pc=_ids(p.parent_columns, "p"),
-                pcp=_ids(p.parent_columns, "p"),
-                parent=p.ident,
-                need=plan.need[i],
-            ),
-        ).rowcount
+        with _keyed_plans(conn, keyed):
+            got = _lock_statement(conn, plan, i, n)
         if got == needs[i]:
             out.append((0, 0))
             continue
@@ -541,9 +530,13 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[in
         execute(
             conn,
             sql.SQL(
+                # a probe per missing key (a LATERAL ... LIMIT 1 is never
+                # turned into a hash of the whole parent table)
                 "insert into {gone} ({n}, busy) "
-                "select m.*, exists (select from {parent} as p where ({pcp}) = ({mn})) "
-                "from (select {n} from {need} except select {n} from {alive}) as m"
+                "select m.*, x.found is not null "
+                "from (select {n} from {need} except select {n} from {alive}) as m "
+                "left join lateral (select true as found from {parent} as p "
+                "                   where ({pcp}) = ({mn}) limit 1) as x on true"
             ).format(
                 gone=plan.gone[i],
                 n=_ids(n),
@@ -557,6 +550,28 @@ def _lock_pass(conn: Connection, plan: _Plan, needs: list[int]) -> list[tuple[in
         busy = _count(conn, sql.SQL("select count(*) from {} where busy").format(plan.gone[i]))
         out.append((needs[i] - got, busy))
     return out
+
+
+def _lock_statement(conn: Connection, plan: _Plan, i: int, n: list[str]) -> int:
+    """``FOR KEY SHARE SKIP LOCKED`` the needed parents of parent table ``i``
+    into its ``alive`` table; returns how many were locked."""
+    p = plan.parents[i]
+    got = execute(
+        conn,
+        sql.SQL(
+            "insert into {alive} ({n}) select {pc} from {parent} as p "
+            "where ({pcp}) in (select {n} from {need}) order by {pcp} "
+            "for key share of p skip locked"
+        ).format(
+            alive=plan.alive[i],
+            n=_ids(n),
+            pc=_ids(p.parent_columns, "p"),
+            pcp=_ids(p.parent_columns, "p"),
+            parent=p.ident,
+            need=plan.need[i],
+        ),
+    ).rowcount
+    return int(got)
 
 
 def _busy_keys(conn: Connection, plan: _Plan) -> list[tuple[int, tuple[Any, ...]]]:
@@ -633,8 +648,7 @@ def _lock_parents(
         # Row locks taken after a savepoint are released by rolling back to it.
         execute(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
-        with _keyed_plans(conn, keyed):
-            passes = _lock_pass(conn, plan, needs)
+        passes = _lock_pass(conn, plan, needs, keyed)
         if any(busy for _, busy in passes) and wait_busy:
             # Never wait holding parent locks: give them all back, wait for the
             # busy parents with nothing held, then lock again, once.
@@ -642,8 +656,7 @@ def _lock_parents(
             execute(conn, _ROLLBACK_PARENTS)
             result.waits = _wait_for_busy(conn, plan, busy_keys)
             result.since = time.perf_counter()
-            with _keyed_plans(conn, keyed):
-                passes = _lock_pass(conn, plan, needs)
+            passes = _lock_pass(conn, plan, needs, keyed)
         execute(conn, _RELEASE_PARENTS)
         result.busy = sum(busy for _, busy in passes)
         result.dead = sum(missing - busy for missing, busy in passes)
