@@ -11,10 +11,10 @@ from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
 from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
-from .queue import enqueue
+from .queue import QueueStats, drop_enqueue_trigger, enqueue, install_enqueue_trigger, queue_stats
 from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
-from .runner import RunContext, Runner, run_once
+from .runner import RunContext, Runner, install, run_once
 from .scheduler import Scheduler, lifespan
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "PgJobsError",
     "PluginError",
     "QueueJob",
+    "QueueStats",
     "RecomputeJob",
     "Registry",
     "RunContext",
@@ -36,11 +37,15 @@ __all__ = [
     "Runner",
     "Scheduler",
     "TaskJob",
+    "drop_enqueue_trigger",
     "enqueue",
     "get_registry",
     "hookimpl",
+    "install",
+    "install_enqueue_trigger",
     "lifespan",
     "load_config",
     "parse_duration",
+    "queue_stats",
     "run_once",
 ]

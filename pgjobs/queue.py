@@ -55,7 +55,7 @@ timeout, lost connection, a ``ConfigError``) fail the whole run instead, and
 the runner backs the job off.
 
 Installation: :func:`enqueue` needs pgjobs' schema; it is created by
-``pgjobs.Runner(database).install()`` or by any job's first tick.
+``pgjobs.install(database)`` or by any job's first tick.
 
 A plugin that keeps its own queue table can give the job a ``has_work``
 (asked instead of the built-in queue's ``EXISTS``); the items themselves
@@ -99,7 +99,7 @@ KEYS_TABLE = "pgjobs_keys"
 
 _NOT_INSTALLED = (
     "pgjobs' schema {schema!r} is not installed in this database; create it once with "
-    "pgjobs.Runner(database).install() (or run any job) before enqueueing"
+    "pgjobs.install(database) (or run any job) before enqueueing"
 )
 
 #: savepoints one tick may take to isolate failing items (PostgreSQL caches 64
@@ -193,7 +193,7 @@ def enqueue(
     (dead) entry is revived with its attempts reset. Returns how many
     entries were added or revived (0 when all were already pending).
 
-    The schema must exist (``pgjobs.Runner(database).install()``, or any
+    The schema must exist (``pgjobs.install(database)``, or any
     job's first tick); otherwise :class:`~pgjobs.PgJobsError` says so.
     """
     if isinstance(job, QueueJob):

@@ -371,6 +371,14 @@ def _with_run_id(result: RunResult, run_id: int) -> RunResult:
     return replace(result, run_id=run_id)
 
 
+def install(database: str | Engine | None = None, *, schema: str = DEFAULT_SCHEMA) -> None:
+    """Create (or upgrade) pgjobs' own tables in ``schema``, idempotently and
+    safely when several processes do it at once. The first tick does it too;
+    call it before :func:`pgjobs.enqueue` in a fresh database."""
+    with Runner(database, schema=schema) as runner:
+        runner.install()
+
+
 def run_once(
     job: Job | str,
     database: str | Engine | None = None,
@@ -393,4 +401,4 @@ def run_once(
         return runner.tick(job, force=force, progress=progress)
 
 
-__all__ = ["RunContext", "Runner", "run_once"]
+__all__ = ["RunContext", "Runner", "install", "run_once"]

@@ -462,7 +462,7 @@ def test_prune_deletes_old_runs_only(items):
 
 
 def test_store_installs_once_when_processes_start_together(db_url):
-    code = "import sys, pgjobs; pgjobs.Runner(sys.argv[1]).install()"
+    code = "import sys, pgjobs; pgjobs.install(sys.argv[1])"
     procs = [subprocess.Popen([sys.executable, "-c", code, db_url]) for _ in range(4)]
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
     with pgjobs.Runner(db_url) as runner:
