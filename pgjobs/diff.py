@@ -55,11 +55,23 @@ is locked, so users delete and merge parents freely meanwhile.
    update, delete instead, so that every foreign-key check finds the rows
    it points at.
 
+Steps 2 and 3 of a pass that touches few of the target's rows (under 5 %)
+are planned as nested loops over the key index: the planner prices cached
+index probes high enough to scan a 500k-row target for 5,000 keys, and
+inside the lock window that costs ten times more.
+
 Chunked writes (``chunk_parents``) repeat steps 2 and 3 per chunk of parents
 (in parent-key order) and commit after each, so that no user waits longer
 than one chunk; the price is atomicity: readers can see the table half
 written, and a failure leaves the chunks before it committed (the next run
 finishes the work). Off by default.
+
+What the deadlock-freedom rests on: other transactions reach the target's
+rows only through their parents (a cascading delete, a merge that deletes a
+parent) and jobs of the same group, which the group lock serializes. A user
+transaction that updates derived rows directly, or a self-reference whose
+``ON DELETE CASCADE`` carries a delete from one parent's rows into rows of
+other parents, can still meet the writer on a derived row.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def stage(
 ) -> Staged:
     """Load ``source`` (the complete new rows) into an analyzed temp table.
 
-    ``source``: SQL text (run with ``params`` bound, e.g. ``:keys``), a
+    ``source``: SQL text (run with ``params`` bound, e.g. ``:keys``; it is a
+    SQLAlchemy ``text()``, so a literal colon is written ``\\:``), a
     SQLAlchemy selectable, or an iterable of rows — tuples in the order of
     ``target.columns``, or mappings by column name. The temp table is
     dropped at commit (``preserve=True``: kept until dropped explicitly, for
