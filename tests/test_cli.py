@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import types
 import uuid
 from collections.abc import Iterator
 from datetime import date
@@ -551,25 +550,23 @@ def test_progress_prints_a_line_per_phase_and_throttles_counts(
 
 
 # -- demo ----------------------------------------------------------------------------------
-def test_demo_passes_its_options_to_pgjobs_demo_main(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, object]] = []
-    fake = types.ModuleType("pgjobs.demo")
+def test_demo_command_runs_the_scenario_with_its_options(env_db: str) -> None:
+    result = invoke(
+        "demo",
+        "--seconds",
+        "1.5",
+        "--exams",
+        "200",
+        "--compute-seconds",
+        "0.1",
+        "--recompute-every",
+        "1",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "200 exams x 5 derived scores" in result.stdout
+    assert "pgjobs: no deadlock, no FK violation" in result.stdout
 
-    def main(database: str | None = None, *, seconds: float = 30, naive: bool = False) -> int:
-        calls.append({"database": database, "seconds": seconds, "naive": naive})
-        return 3
 
-    fake.main = main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pgjobs.demo", fake)
-    result = invoke("demo", "--seconds", "2.5", "--naive", "--database", "postgresql://h/d")
-    assert result.exit_code == 3
-    assert calls == [{"database": "postgresql://h/d", "seconds": 2.5, "naive": True}]
-    invoke("demo")
-    assert calls[-1] == {"database": None, "seconds": 30, "naive": False}
-
-
-def test_demo_says_so_when_it_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pgjobs.demo", None)  # import fails as if absent
-    result = invoke("demo")
-    assert result.exit_code == 1
-    assert "the demo is not part of this installation" in result.stderr
+def test_demo_rejects_bad_options_with_exit_2(env_db: str) -> None:
+    result = invoke("demo", "--exams", "0")
+    assert result.exit_code == 2
