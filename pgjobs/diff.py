@@ -405,6 +405,12 @@ where (c.oid = %(oid)s and c.relkind = 'r')
 """
 
 
+def _keyed_pass(rows_in_pass: int, target_rows: float) -> bool:
+    """Whether a pass of ``rows_in_pass`` difference rows is written with
+    keyed plans, given the target's estimated row count."""
+    return rows_in_pass < _KEYED_FRACTION * target_rows
+
+
 def _estimated_rows(conn: Connection, target: Target) -> float:
     row = execute(conn, _ESTIMATED_ROWS, {"oid": target.oid}).fetchone()
     return float(row[0]) if row and row[0] is not None else 0.0
@@ -1040,8 +1046,7 @@ def write_diff(
         # key index (nested loops), not by scanning the whole table: the
         # planner prices cached index probes too high, and in the lock window
         # a full scan of a 500k-row target per chunk costs ten times more.
-        rows_in_pass = sum(per_chunk[chunk].values())
-        keyed = rows_in_pass < _KEYED_FRACTION * target_rows
+        keyed = _keyed_pass(sum(per_chunk[chunk].values()), target_rows)
         locked = _lock_parents(conn, plan, chunk, wait_busy, keyed)
         with _keyed_plans(conn, keyed):
             written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])

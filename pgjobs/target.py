@@ -318,6 +318,12 @@ def reflect_target(
                 f"target {label}: parents: {declared.table!r}: no column(s) "
                 f"{', '.join(missing + [f'{ptable}.{c}' for c in missing_parent])}"
             )
+        parent_uniques = [set(r[0]) for r in execute(conn, _UNIQUE, (_poid,))]
+        if not any(u and u <= set(declared.parent_columns) for u in parent_uniques):
+            raise ConfigError(
+                f"target {label}: parents: {pschema}.{ptable}{declared.parent_columns}: no unique "
+                f"index or constraint on these columns (one parent row per key is needed)"
+            )
         ref = ParentRef(
             table=(pschema, ptable),
             columns=declared.columns,
@@ -328,6 +334,13 @@ def reflect_target(
             refs.append(ref)
 
     for ref in refs:
+        unwritable = [c for c in ref.columns if c not in types]
+        if unwritable:
+            raise ConfigError(
+                f"target {label}: the parent {ref.label} is referenced through generated "
+                f"column(s) {', '.join(unwritable)}; pgjobs needs the new rows to carry every "
+                f"parent's columns"
+            )
         if ref.self_reference and set(ref.parent_columns) != key_set:
             raise ConfigError(
                 f"target {label}: the self-reference {ref.constraint or ref.columns} must point at "

@@ -212,6 +212,8 @@ def test_reflection_errors_name_the_table(engine):
         SCHEMA
         + "create table nokey (a int, b int); create table nullable_u (a int unique, b int);"
         + "create table nouniq (a int not null, b int);"
+        + "create table gen_fk (id int primary key, x int,"
+        + " p int generated always as (x) stored references parent);"
         + "create view v as select 1 as id;",
     )
     with engine.connect() as conn, conn.begin():
@@ -227,6 +229,14 @@ def test_reflection_errors_name_the_table(engine):
             reflect_target(conn, "v")
         with pytest.raises(ConfigError, match="no column"):
             reflect_target(conn, "derived", key=("nope",))
+        not_unique = pgjobs.Parent(table="nouniq", columns=("parent_id",), parent_columns=("a",))
+        with pytest.raises(ConfigError, match=r"nouniq\('a',\): no unique index"):
+            reflect_target(conn, "derived", parents=(not_unique,))
+        with pytest.raises(ConfigError, match=r"through generated column\(s\) p"):
+            reflect_target(conn, "gen_fk")
+        missing = pgjobs.Parent(table="nowhere", columns=("parent_id",), parent_columns=("id",))
+        with pytest.raises(ConfigError, match="'nowhere' does not exist"):
+            reflect_target(conn, "derived", parents=(missing,))
 
 
 def test_declared_key_and_wrong_columns(engine):

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from psycopg.types.json import Json
 
 import pgjobs
+import pgjobs.diff
 
 PARENTS = range(1, 7)
 TAGS = range(1, 4)
@@ -114,9 +115,10 @@ def model(
     dead_tags=st.sets(st.sampled_from(list(TAGS)), max_size=2),
     timing=st.sampled_from(["compute", "lock"]),
     chunk_parents=st.sampled_from([None, 2]),
+    keyed=st.booleans(),
 )
 def test_target_equals_new_rows_minus_dead_parents(
-    engine, db_url, old, new, dead_parents, dead_tags, timing, chunk_parents
+    engine, db_url, old, new, dead_parents, dead_tags, timing, chunk_parents, keyed
 ):
     dsn = db_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(dsn, autocommit=True) as pg:
@@ -155,9 +157,24 @@ def test_target_equals_new_rows_minus_dead_parents(
     job = pgjobs.RecomputeJob(
         name="prop", target="derived", compute=compute, chunk_parents=chunk_parents
     )
-    with pgjobs.Runner(engine) as runner:
-        result = runner.tick(job, force=True, progress=progress)
+    # keyed: plan every pass as nested loops over the key index, as the writer
+    # does for passes touching few of a large target's rows
+    saved = pgjobs.diff._keyed_pass
+    decisions: list[bool] = []
+
+    def keyed_pass(rows: int, target_rows: float) -> bool:
+        decisions.append(keyed)
+        return keyed
+
+    pgjobs.diff._keyed_pass = keyed_pass
+    try:
+        with pgjobs.Runner(engine) as runner:
+            result = runner.tick(job, force=True, progress=progress)
+    finally:
+        pgjobs.diff._keyed_pass = saved
     assert result.outcome == "ran", result.error
+    assert set(decisions) <= {keyed}
+    assert decisions or not any(result.detail["planned"].values())  # no pass: nothing to write
 
     if timing == "lock" and not fired:
         delete_parents()  # an empty difference: nothing was locked, nothing written
