@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,7 +253,9 @@ class Runner:
             return None
         if job.interval is not None and retry >= job.interval:
             return None
-        return retry
+        # Spread over [retry/2, retry]: a fixed delay can line up with another
+        # job's ticks (a 1 s job, a retry after 1 s) and lose the race every time.
+        return retry * random.uniform(0.5, 1.0)
 
     def _set_timeouts(self, conn: Connection, job: Job) -> None:
         for name in ("lock_timeout", "statement_timeout"):

@@ -287,6 +287,8 @@ class Scheduler:
             return
         if result.outcome is Outcome.BUSY and result.retry_after is not None:
             self._retry(name, result.retry_after)
+        elif result.outcome is Outcome.NOT_DUE:
+            self._retry_when_due(name, result)
         if self.on_result is not None:
             try:
                 self.on_result(result)
@@ -307,7 +309,18 @@ class Scheduler:
                 name=_retry_id(name),
                 replace_existing=True,
             )
-        log.debug("pgjobs: %s found its group busy; retrying in %s", name, after)
+        log.debug("pgjobs: %s: trying again in %s", name, after)
+
+    def _retry_when_due(self, name: str, result: RunResult) -> None:
+        # A run that started late (a busy retry, a slow tick elsewhere) moves the
+        # job's next due time past its next regular tick; without this, that tick
+        # finds it "not due" by a hair and the job loses a whole interval.
+        job = self.jobs[name]
+        if result.next_attempt_at is None or job.interval is None:
+            return
+        wait = result.next_attempt_at - datetime.now(result.next_attempt_at.tzinfo)
+        if timedelta(0) < wait < job.interval:
+            self._retry(name, wait + timedelta(milliseconds=10))
 
     def _next_due(self, job: Job) -> datetime | None:
         if job.cron is None:

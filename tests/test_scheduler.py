@@ -97,6 +97,32 @@ def test_a_busy_periodic_job_is_retried_after_retry_after_not_a_whole_interval(
     assert set(outcomes) == {"busy", "ran"}
 
 
+def test_a_job_found_not_due_by_a_hair_runs_when_it_becomes_due(engine: Engine) -> None:
+    """Another replica ran the job a little late, so its next due time falls
+    just after this process's tick: the job runs then, not an interval later."""
+    outcomes: list[str] = []
+    ran = threading.Event()
+
+    def on_result(result: RunResult) -> None:
+        outcomes.append(str(result.outcome))
+        if result.outcome == "ran":
+            ran.set()
+
+    pgjobs.install(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "insert into pgjobs.job_state (job, next_attempt_at, failures)"
+                " values ('hourly', now() + interval '1.5 s', 0)"
+            )
+        )
+    # Interval of an hour: only a retry at the due time can run it in this test.
+    job = pgjobs.TaskJob(name="hourly", run=lambda conn: None, every="1h")
+    with pgjobs.Scheduler([job], engine, on_result=on_result):
+        assert ran.wait(WAIT)
+    assert outcomes == ["not_due", "ran"]
+
+
 def test_a_cron_job_records_the_next_fire_time_as_next_due(engine: Engine) -> None:
     job = pgjobs.TaskJob(name="c", run=lambda conn: None, every=None, cron="*/5 * * * *")
     scheduler = pgjobs.Scheduler([job], engine)
