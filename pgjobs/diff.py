@@ -78,8 +78,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,10 +88,11 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import driver, execute
+from ._pg import Params, driver
+from ._pg import execute as _execute
 from .errors import ConfigError, JobError
 from .results import DiffStats, Execution
-from .staging import Staged, stage, temp_name
+from .staging import ANALYZE_ROWS, Staged, session_name, stage, temp_name
 from .target import ParentRef, Target, describe, reflect_target
 
 if TYPE_CHECKING:
@@ -143,6 +145,57 @@ class WriteResult:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+# -- round trips ------------------------------------------------------------------------
+#: Statements without parameters or results that matter (savepoint release,
+#: planner settings) waiting to go out with the next statement, per driver
+#: connection: one round trip instead of two.
+_pending: weakref.WeakKeyDictionary[psycopg.Connection[Any], list[sql.Composable]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _defer(conn: Connection, statement: sql.Composable) -> None:
+    """Send ``statement`` with the next one (in order, before it)."""
+    _pending.setdefault(driver(conn), []).append(statement)
+
+
+def execute(
+    conn: Connection, query: sql.Composable | str, params: Params = None
+) -> psycopg.Cursor[Any]:
+    """Run ``query`` after the deferred statements; without parameters, in the
+    same round trip. The cursor is on ``query``'s result."""
+    pg = driver(conn)
+    waiting = _pending.pop(pg, None)
+    if not waiting:
+        return _execute(conn, query, params)
+    statement = sql.SQL(query) if isinstance(query, str) else query
+    if params is not None:
+        _execute(conn, sql.SQL("; ").join(waiting))
+        return _execute(conn, statement, params)
+    cur = _execute(conn, sql.SQL("; ").join([*waiting, statement]))
+    while cur.nextset():
+        pass
+    return cur
+
+
+def _flush(conn: Connection) -> None:
+    """Send what is deferred now (if the transaction can still run it)."""
+    pg = driver(conn)
+    waiting = _pending.pop(pg, None)
+    if waiting and pg.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+        _execute(conn, sql.SQL("; ").join(waiting))
+
+
+def _multi(conn: Connection, statements: Sequence[sql.Composable]) -> list[int]:
+    """Run ``statements`` (no parameters) in one round trip; their row counts."""
+    waiting = _pending.pop(driver(conn), None) or []
+    cur = _execute(conn, sql.SQL("; ").join([*waiting, *statements]))
+    counts = [cur.rowcount]
+    while cur.nextset():
+        counts.append(cur.rowcount)
+    return counts[-len(statements) :]
+
+
 # -- SQL composition helpers ---------------------------------------------------------
 def _ids(names: Sequence[str], prefix: str | None = None) -> sql.Composed:
     if prefix is None:
@@ -173,6 +226,12 @@ class _Plan:
     """
 
     def __init__(self, target: Target, staged: Staged, scope: Scope | None, preserve: bool) -> None:
+        # Session tables: one set per target shape, kept for the session
+        # (ON COMMIT DELETE ROWS) and emptied per call, instead of ~7 temp
+        # tables created and dropped per call (catalog writes: most of a
+        # small diff's cost). Chunked writes keep their own tables across
+        # commits (ON COMMIT PRESERVE ROWS) and drop them at the end.
+        self.session = not preserve
         self.target = target
         self.staged = staged
         self.scope = scope
@@ -183,13 +242,24 @@ class _Plan:
         self.values = tuple(c for c in self.columns if c not in set(self.key))
         fk_cols = list(dict.fromkeys(c for p in target.parents for c in p.columns))
         self.f = {name: f"f{i}" for i, name in enumerate(fk_cols)}
-        self.d = sql.Identifier(temp_name("diff"))
-        self.bad = sql.Identifier(temp_name("bad"))
         self.parents = [p for p in target.parents if not p.self_reference]
         self.self_ref = target.self_reference
-        self.need = [sql.Identifier(temp_name("need")) for _ in self.parents]
-        self.alive = [sql.Identifier(temp_name("alive")) for _ in self.parents]
-        self.gone = [sql.Identifier(temp_name("gone")) for _ in self.parents]
+        shape = (self.columns, tuple(self.f))
+
+        def name(purpose: str, i: int | None = None) -> sql.Identifier:
+            if self.session:
+                nth = "" if i is None else str(i)
+                return sql.Identifier(session_name(target, purpose + nth, shape))
+            # (_drop_leftovers recognizes these names)
+            return sql.Identifier(temp_name(purpose))
+
+        self.d = name("diff")
+        self.bad = name("bad")
+        self.need = [name("need", i) for i, _ in enumerate(self.parents)]
+        self.alive = [name("alive", i) for i, _ in enumerate(self.parents)]
+        self.gone = [name("gone", i) for i, _ in enumerate(self.parents)]
+        #: the difference was analyzed (and so are the sets derived from it)
+        self.analyzed = True
         self.temps: list[sql.Identifier] = []
         for p in target.parents:
             missing = [c for c in p.columns if c not in self.c]
@@ -209,6 +279,9 @@ class _Plan:
     @property
     def on_commit(self) -> sql.SQL:
         return sql.SQL("preserve rows" if self.preserve else "drop")
+
+    def session_tables(self) -> list[sql.Identifier]:
+        return [self.d, *self.need, *self.alive, *self.gone, self.bad]
 
     def kc(self) -> list[str]:
         """The key's columns in ``d``."""
@@ -241,11 +314,18 @@ def _count(conn: Connection, query: sql.Composable, params: Sequence[Any] | None
 def _create_temp(
     conn: Connection, plan: _Plan, ident: sql.Identifier, body: sql.Composable
 ) -> None:
-    execute(
-        conn,
-        sql.SQL("create temp table {} on commit {} as {}").format(ident, plan.on_commit, body),
-    )
+    execute(conn, _create_sql(plan, ident, body))
     plan.temps.append(ident)
+
+
+def _create_sql(plan: _Plan, ident: sql.Identifier, body: sql.Composable) -> sql.Composed:
+    if plan.session and ident in plan.session_tables():
+        # idempotent: the table may exist from an earlier call of this
+        # session, or not (never created, or its creation rolled back)
+        return sql.SQL("create temp table if not exists {} on commit delete rows as {}").format(
+            ident, body
+        )
+    return sql.SQL("create temp table {} on commit {} as {}").format(ident, plan.on_commit, body)
 
 
 def _analyze(conn: Connection, *idents: sql.Identifier) -> None:
@@ -253,13 +333,26 @@ def _analyze(conn: Connection, *idents: sql.Identifier) -> None:
         execute(conn, sql.SQL("analyze {}").format(ident))
 
 
+def _analyze_derived(conn: Connection, plan: _Plan, *idents: sql.Identifier) -> None:
+    """Analyze sets derived from the difference when the difference itself
+    was (they are at most twice its size); small ones are planned from their
+    size, and small passes use keyed plans anyway."""
+    if plan.analyzed:
+        _analyze(conn, *idents)
+
+
 # -- step 1: the difference ------------------------------------------------------------
-def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dict[str, int]:
+def _build_diff(
+    conn: Connection, plan: _Plan, chunk_parents: int | None
+) -> tuple[dict[str, int], float]:
+    """Fill the difference table ``d`` (and, for session tables, create the
+    parent sets); returns its rows by op and the target's estimated size."""
     target = t = plan.target
     s = plan.staged
     key = plan.key
     target_cols = list(dict.fromkeys([*key, *plan.values, *plan.f]))
     target_side: sql.Composable
+    outside: sql.Composable = sql.SQL("0")
     if plan.scope is None:
         target_side = sql.SQL("(select {} from {}) as t").format(_ids(target_cols), t.ident)
     else:
@@ -267,17 +360,9 @@ def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dic
         target_side = sql.SQL("(select {} from {} where ({}) in (select {} from {})) as t").format(
             _ids(target_cols), t.ident, _ids(sc), _ids(sc), plan.scope.keys
         )
-        outside = _count(
-            conn,
-            sql.SQL(
-                "select count(*) from {} as s where not exists (select from {} as k where {})"
-            ).format(s.table, plan.scope.keys, _eq("s", sc, "k", sc)),
-        )
-        if outside:
-            raise JobError(
-                f"target {t.label}: {outside} new row(s) lie outside the scope "
-                f"({', '.join(sc)}) of this diff. Nothing was written."
-            )
+        outside = sql.SQL(
+            "(select count(*) from {} as s where not exists (select from {} as k where {}))"
+        ).format(s.table, plan.scope.keys, _eq("s", sc, "k", sc))
 
     first_key = key[0]
     op = sql.SQL("case when {t_k} is null then 'i' when {s_k} is null then 'd' {upd} end").format(
@@ -311,31 +396,66 @@ def _build_diff(conn: Connection, plan: _Plan, chunk_parents: int | None) -> dic
         target_side=target_side,
         on=_eq("s", key, "t", key),
     )
-    if chunk_parents:
-        body = _with_chunks(plan, body, chunk_parents)
-    _create_temp(conn, plan, plan.d, body)
-    if chunk_parents:
-        execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
-    if plan.self_ref is not None:
-        # resolving self-references looks rows of the difference up by key
-        execute(conn, sql.SQL("create index on {} ({})").format(plan.d, _ids(plan.kc())))
     # Statistics for what later plans filter and join on: op, key, parent
     # columns (new and old), chunk; not the values.
     analyzed = ["op", *plan.kc()]
     analyzed += [plan.c[c] for p in target.parents for c in p.columns]
     analyzed += list(plan.f.values())
-    if chunk_parents:
-        analyzed.append("chunk")
-    execute(
+    if plan.session:
+        # One round trip: the session tables (created if missing), emptied,
+        # and the difference.
+        statements: list[sql.Composable] = [
+            _create_sql(plan, plan.d, sql.SQL("{} with no data").format(body))
+        ]
+        if plan.self_ref is not None:
+            # resolving self-references looks rows of the difference up by key
+            statements.append(
+                sql.SQL("create index if not exists {} on {} ({})").format(
+                    _index_name(plan.d), plan.d, _ids(plan.kc())
+                )
+            )
+        statements += _parent_tables_sql(plan)
+        statements += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
+        statements.append(sql.SQL("insert into {} {}").format(plan.d, body))
+        rows = _multi(conn, statements)[-1]
+        # A small difference is planned from its size (and its passes use
+        # keyed plans): ANALYZE costs more than it saves there.
+        plan.analyzed = rows >= ANALYZE_ROWS
+    else:
+        if chunk_parents:
+            body = _with_chunks(plan, body, chunk_parents)
+            analyzed.append("chunk")
+        _create_temp(conn, plan, plan.d, body)
+        if chunk_parents:
+            execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
+        if plan.self_ref is not None:
+            execute(conn, sql.SQL("create index on {} ({})").format(plan.d, _ids(plan.kc())))
+    if plan.analyzed:
+        _defer(
+            conn,
+            sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
+        )
+    row = execute(
         conn,
-        sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
-    )
-    counts = {"i": 0, "u": 0, "d": 0}
-    for op_code, n in execute(
-        conn, sql.SQL("select op, count(*) from {} group by op").format(plan.d)
-    ):
-        counts[str(op_code)] = int(n)
-    return counts
+        sql.SQL(
+            "select {outside}, count(*) filter (where op = 'i'), count(*) filter (where op = 'u'),"
+            " count(*) filter (where op = 'd'), ({estimate}) from {d}"
+        ).format(outside=outside, estimate=_estimated_rows_sql(target), d=plan.d),
+    ).fetchone()
+    assert row is not None
+    if row[0]:
+        assert plan.scope is not None
+        raise JobError(
+            f"target {t.label}: {row[0]} new row(s) lie outside the scope "
+            f"({', '.join(plan.scope.columns)}) of this diff. Nothing was written."
+        )
+    counts = {"i": int(row[1]), "u": int(row[2]), "d": int(row[3])}
+    return counts, float(row[4] or 0.0)
+
+
+def _index_name(table: sql.Identifier) -> sql.Identifier:
+    name = table.as_string(None).strip('"')
+    return sql.Identifier(f"{name}_key")
 
 
 def _chunk_parent(plan: _Plan) -> ParentRef | None:
@@ -411,9 +531,19 @@ def _keyed_pass(rows_in_pass: int, target_rows: float) -> bool:
     return rows_in_pass < _KEYED_FRACTION * target_rows
 
 
-def _estimated_rows(conn: Connection, target: Target) -> float:
-    row = execute(conn, _ESTIMATED_ROWS, {"oid": target.oid}).fetchone()
-    return float(row[0]) if row and row[0] is not None else 0.0
+def _estimated_rows_sql(target: Target) -> sql.Composed:
+    return sql.SQL(_ESTIMATED_ROWS.replace("%(oid)s", "{oid}")).format(oid=sql.Literal(target.oid))
+
+
+_KEYED_ON = sql.SQL(
+    "select set_config('pgjobs.enable_hashjoin', current_setting('enable_hashjoin'), true),"
+    " set_config('pgjobs.enable_mergejoin', current_setting('enable_mergejoin'), true);"
+    " select set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)"
+)
+_KEYED_OFF = sql.SQL(
+    "select set_config('enable_hashjoin', current_setting('pgjobs.enable_hashjoin'), true),"
+    " set_config('enable_mergejoin', current_setting('pgjobs.enable_mergejoin'), true)"
+)
 
 
 @contextmanager
@@ -421,26 +551,18 @@ def _keyed_plans(conn: Connection, on: bool) -> Iterator[None]:
     """Within the block, plan joins as nested loops over indexes (when ``on``).
 
     Used only around the locking pass and the writes of a pass that touches
-    few of the target's rows; the previous settings come back after it.
+    few of the target's rows; the previous settings (kept in two settings of
+    pgjobs' own) come back after it. Both changes go out with the next
+    statement, not in round trips of their own.
     """
     if not on:
         yield
         return
-    previous = execute(
-        conn,
-        "select current_setting('enable_hashjoin'), current_setting('enable_mergejoin'),"
-        " set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)",
-    ).fetchone()
-    assert previous is not None
+    _defer(conn, _KEYED_ON)
     try:
         yield
     finally:
-        if driver(conn).info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
-            execute(
-                conn,
-                "select set_config('enable_hashjoin', %s, true), set_config('enable_mergejoin', %s, true)",
-                (previous[0], previous[1]),
-            )
+        _defer(conn, _KEYED_OFF)
 
 
 # -- step 2: the parents -----------------------------------------------------------------
@@ -469,8 +591,10 @@ def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
     old = [plan.f[c] for c in p.columns]
     where = _chunk_filter(None, chunk)
     if chunk is not None:
-        execute(conn, sql.SQL("truncate {}").format(plan.need[i]))
-    execute(
+        _defer(conn, sql.SQL("truncate {}").format(plan.need[i]))
+    # the table is empty (new, emptied per call, or truncated per chunk): the
+    # insert's row count is its size
+    count = execute(
         conn,
         sql.SQL(
             "insert into {need} ({n}) "
@@ -487,13 +611,16 @@ def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
             new_nn=_not_null(None, new),
             old_nn=_not_null(None, old),
         ),
-    )
-    count = _count(conn, sql.SQL("select count(*) from {}").format(plan.need[i]))
-    _analyze(conn, plan.need[i])
-    return count
+    ).rowcount
+    if plan.analyzed:
+        _defer(conn, sql.SQL("analyze {}").format(plan.need[i]))
+    return int(count)
 
 
-def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
+def _parent_tables_sql(plan: _Plan) -> list[sql.Composable]:
+    """Creating the parent sets (``need``, ``alive``, ``gone`` per parent
+    table) and ``bad``, all shaped after ``d``."""
+    out: list[sql.Composable] = []
     for i, p in enumerate(plan.parents):
         n = [f"n{j}" for j in range(len(p.columns))]
         cols = sql.SQL(", ").join(
@@ -501,26 +628,45 @@ def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
             for c, nj in zip(p.columns, n, strict=True)
         )
         for ident in (plan.need[i], plan.alive[i]):
-            _create_temp(
-                conn, plan, ident, sql.SQL("select {} from {} with no data").format(cols, plan.d)
+            out.append(
+                _create_sql(
+                    plan, ident, sql.SQL("select {} from {} with no data").format(cols, plan.d)
+                )
             )
         # busy: false = the parent is gone, true = another transaction holds it
-        _create_temp(
-            conn,
-            plan,
-            plan.gone[i],
-            sql.SQL("select {}, false as busy from {} with no data").format(cols, plan.d),
+        out.append(
+            _create_sql(
+                plan,
+                plan.gone[i],
+                sql.SQL("select {}, false as busy from {} with no data").format(cols, plan.d),
+            )
         )
     kc = plan.kc()
-    _create_temp(
-        conn,
-        plan,
-        plan.bad,
-        # op: the row's op in the difference; NULL for an unchanged staged row
-        sql.SQL("select {}, false as defer, op from {} with no data").format(_ids(kc), plan.d),
+    out.append(
+        _create_sql(
+            plan,
+            plan.bad,
+            # op: the row's op in the difference; NULL for an unchanged staged row
+            sql.SQL("select {}, false as defer, op from {} with no data").format(_ids(kc), plan.d),
+        )
     )
     # looked up by key from every write statement that leaves bad rows out
-    execute(conn, sql.SQL("create index on {} ({})").format(plan.bad, _ids(kc)))
+    if plan.session:
+        out.append(
+            sql.SQL("create index if not exists {} on {} ({})").format(
+                _index_name(plan.bad), plan.bad, _ids(kc)
+            )
+        )
+    else:
+        out.append(sql.SQL("create index on {} ({})").format(plan.bad, _ids(kc)))
+    return out
+
+
+def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
+    if plan.session:
+        return  # created with the difference
+    _multi(conn, _parent_tables_sql(plan))
+    plan.temps += [*plan.need, *plan.alive, *plan.gone, plan.bad]
 
 
 def _lock_pass(
@@ -664,7 +810,7 @@ def _lock_parents(
     if plan.parents:
         needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
         # Row locks taken after a savepoint are released by rolling back to it.
-        execute(conn, _SAVEPOINT_PARENTS)
+        _defer(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
         passes = _lock_pass(conn, plan, needs, keyed)
         if any(busy for _, busy in passes) and wait_busy:
@@ -675,7 +821,7 @@ def _lock_parents(
             result.waits = _wait_for_busy(conn, plan, busy_keys)
             result.since = time.perf_counter()
             passes = _lock_pass(conn, plan, needs, keyed)
-        execute(conn, _RELEASE_PARENTS)
+        _defer(conn, _RELEASE_PARENTS)
         result.busy = sum(busy for _, busy in passes)
         result.dead = sum(missing - busy for missing, busy in passes)
         if result.busy or result.dead:
@@ -727,7 +873,7 @@ def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
             "group by {k}"
         ).format(bad=plan.bad, k=_ids(kc), u=sql.SQL(" union all ").join(parts)),
     )
-    _analyze(conn, plan.bad)
+    _analyze_derived(conn, plan, plan.bad)
 
 
 def _resolve_self_reference(conn: Connection, plan: _Plan) -> None:
@@ -1017,8 +1163,28 @@ def write_diff(
             raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
 
     plan = _Plan(target, staged, scope, preserve=chunk_parents is not None)
+    try:
+        return _write(conn, plan, chunk_parents, checkpoint, report, wait_busy, started)
+    except BaseException:
+        # what was deferred (planner settings given back, a savepoint
+        # released) still runs if the transaction can run it
+        with suppress(psycopg.Error):
+            _flush(conn)
+        raise
+
+
+def _write(
+    conn: Connection,
+    plan: _Plan,
+    chunk_parents: int | None,
+    checkpoint: Callable[[], None] | None,
+    report: Progress,
+    wait_busy: bool,
+    started: float,
+) -> WriteResult:
+    target, staged = plan.target, plan.staged
     report("diff", None, None)
-    counts = _build_diff(conn, plan, chunk_parents)
+    counts, target_rows = _build_diff(conn, plan, chunk_parents)
     _create_parent_tables(conn, plan)
     per_chunk: dict[int | None, dict[str, int]] = {}
     if chunk_parents:
@@ -1034,7 +1200,6 @@ def write_diff(
     else:
         per_chunk[None] = counts
         chunks = [None]
-    target_rows = _estimated_rows(conn, target)
     diff_seconds = time.perf_counter() - started
 
     inserted = updated = deleted = skipped = deferred = deferred_deletes = 0
@@ -1067,10 +1232,12 @@ def write_diff(
         report("write", n + 1, len(chunks))
         if chunk_parents and n + 1 < len(chunks):
             assert checkpoint is not None
+            _flush(conn)
             checkpoint()
 
     if plan.temps:
-        execute(conn, sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(plan.temps)))
+        _defer(conn, sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(plan.temps)))
+    _flush(conn)
     unchanged = staged.rows - inserted - updated - skipped - deferred
     stats = DiffStats(
         inserted=inserted,

@@ -731,7 +731,7 @@ class _Worker:
         started = time.perf_counter()
         compute = self.job.compute
         source = compute if isinstance(compute, str) else compute(self.conn, keys)
-        staged = stage(self.conn, self.target, source, params=self._params(keys))
+        staged = stage(self.conn, self.target, source, params=self._params(keys), session=True)
         b.compute_seconds += time.perf_counter() - started
         self.ctx.report("write", len(keys), None)
         # wait_busy=False: this transaction holds queue entries, and a user may

@@ -20,8 +20,10 @@ and get their default on insert.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -46,6 +48,10 @@ _names = itertools.count(1)
 #: dump in binary is sent as, in a text ``COPY``
 _TEXT_OID = 25
 _NUMERIC_OID = 1700
+
+#: session temp tables (and the diff's sets) with at least this many rows are
+#: ``ANALYZE``d; below, the planner's estimate from the table's size serves
+ANALYZE_ROWS = 1000
 
 
 def temp_name(purpose: str) -> str:
@@ -75,6 +81,7 @@ def stage(
     params: Mapping[str, Any] | None = None,
     name: str | None = None,
     preserve: bool = False,
+    session: bool = False,
 ) -> Staged:
     """Load ``source`` (the complete new rows) into an analyzed temp table.
 
@@ -86,7 +93,18 @@ def stage(
     writes that commit in chunks) and has the diff key as primary key: a
     duplicate or NULL key raises :class:`JobError` naming the key, before
     anything is written.
+
+    ``session=True`` (small, frequent loads such as queue batches): load into
+    a temp table kept for the session instead, one per target shape, emptied
+    at each commit (``ON COMMIT DELETE ROWS``) and by the next session load of
+    the same shape, with its unique key in place, so that a load costs no DDL.
+    It is only ``ANALYZE``d above :data:`ANALYZE_ROWS` rows: below that, the
+    planner's estimate from the table's size serves as well.
     """
+    if session:
+        if preserve or name is not None:
+            raise ConfigError("stage: session=True excludes preserve and name")
+        return _stage_session(conn, target, source, params)
     name = name or temp_name("stage")
     ident = sql.Identifier(name)
     if isinstance(source, str | TextClause):
@@ -123,6 +141,105 @@ def stage(
         ),
     )
     return Staged(table=ident, name=name, columns=columns, rows=rows, preserve=preserve)
+
+
+def _stage_session(
+    conn: Connection, target: Target, source: object, params: Mapping[str, Any] | None
+) -> Staged:
+    if isinstance(source, str | TextClause):
+        clause = text(_strip(source)) if isinstance(source, str) else source
+        names = _query_names(conn, clause, params)
+        columns = _check_columns(target, names, "the new rows' SQL")
+        name = _prepare_session(conn, target, columns)
+        textual = clause.columns(*(column(n) for n in names))
+        rows = _insert_select(conn, name, names, textual, _bind(clause, params), target)
+    elif isinstance(source, SelectBase | FromClause):
+        selectable = source if isinstance(source, SelectBase) else select(source)
+        names = tuple(selectable.selected_columns.keys())
+        columns = _check_columns(target, names, "the new rows' query")
+        name = _prepare_session(conn, target, columns)
+        rows = _insert_select(conn, name, names, selectable, dict(params or {}), target)
+    elif isinstance(source, Iterable) and not isinstance(source, bytes | bytearray | Mapping):
+        iterator = iter(source)
+        first = next(iterator, None)
+        columns, converted = _python_rows(target, first, iterator)
+        name = _prepare_session(conn, target, columns)
+        with _key_errors(target):
+            rows = _copy(conn, target, sql.Identifier(name), columns, converted)
+    else:
+        raise ConfigError(
+            f"target {target.label}: compute returned {type(source).__name__}; expected SQL "
+            f"text, a SQLAlchemy selectable or an iterable of rows"
+        )
+    ident = sql.Identifier(name)
+    if rows >= ANALYZE_ROWS:
+        execute(
+            conn,
+            sql.SQL("analyze {} ({})").format(
+                ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
+            ),
+        )
+    return Staged(table=ident, name=name, columns=columns, rows=rows)
+
+
+def session_name(target: Target, purpose: str, shape: Sequence[object]) -> str:
+    """The name of a session temp table for ``target`` and a ``shape`` (what
+    determines its columns and their types): ``pgjobs_s<digest>_<purpose>``.
+    A change of the target's columns or types gives another name."""
+    types = [(c, target.types[c].type_oid, target.types[c].type) for c in target.columns]
+    digest = hashlib.sha1(repr((target.oid, types, target.key, tuple(shape))).encode())
+    return f"pgjobs_s{digest.hexdigest()[:16]}_{purpose}"
+
+
+def _prepare_session(conn: Connection, target: Target, columns: Sequence[str]) -> str:
+    """Create the session stage table for ``columns`` if this session has none
+    yet (idempotent DDL: a savepoint rolled back may have taken it away), and
+    empty it; one round trip."""
+    name = session_name(target, "stage", columns)
+    ident = sql.Identifier(name)
+    key = sql.SQL(", ").join(map(sql.Identifier, target.key))
+    execute(
+        conn,
+        sql.SQL(
+            "create temp table if not exists {t} on commit delete rows as"
+            " select {cols} from {target} with no data;"
+            " create unique index if not exists {ix} on {t} ({key});"
+            " alter table {t} {not_null};"
+            " delete from {t}"
+        ).format(
+            t=ident,
+            cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
+            target=target.ident,
+            ix=sql.Identifier(name + "_key"),
+            key=key,
+            not_null=sql.SQL(", ").join(
+                sql.SQL("alter column {} set not null").format(sql.Identifier(k))
+                for k in target.key
+            ),
+        ),
+    )
+    return name
+
+
+@contextmanager
+def _key_errors(target: Target) -> Iterator[None]:
+    """Duplicate or NULL keys, as :func:`stage` reports them."""
+    key = ", ".join(target.key)
+    try:
+        yield
+    except psycopg.errors.UniqueViolation as exc:
+        detail = exc.diag.message_detail or ""
+        raise JobError(
+            f"target {target.label}: the new rows repeat the diff key ({key}): {detail} "
+            f"Nothing was written.",
+            sqlstate=exc.sqlstate,
+        ) from exc
+    except psycopg.errors.NotNullViolation as exc:
+        raise JobError(
+            f"target {target.label}: a new row has NULL in the diff key ({key}), column "
+            f"{exc.diag.column_name}. Nothing was written.",
+            sqlstate=exc.sqlstate,
+        ) from exc
 
 
 # -- SQL sources -------------------------------------------------------------
@@ -162,14 +279,25 @@ def _probe_columns(
 
 
 def _insert_select(
-    conn: Connection, name: str, names: Sequence[str], query: Any, params: dict[str, Any]
+    conn: Connection,
+    name: str,
+    names: Sequence[str],
+    query: Any,
+    params: dict[str, Any],
+    keyed: Target | None = None,
 ) -> int:
     # INSERT INTO stage (the query's columns, in its order) <the query>, with no
     # subquery around it: an untyped NULL or literal then takes the column's
     # type, as it would in an INSERT the user wrote.
     stage_table = table(name, *(column(c) for c in names))
     statement = insert(stage_table).from_select(list(names), query)
-    conn.execute(statement, params)
+    if keyed is not None:
+        # the session table has its key in place: the insert itself rejects
+        # duplicates
+        with _key_errors(keyed):
+            conn.execute(statement, params)
+    else:
+        conn.execute(statement, params)
     # SQLAlchemy reports no rowcount for INSERT ... SELECT; count the rows.
     counted = execute(conn, sql.SQL("select count(*) from {}").format(sql.Identifier(name)))
     row = counted.fetchone()
@@ -360,4 +488,4 @@ def _add_key(conn: Connection, target: Target, ident: sql.Identifier) -> None:
         ) from exc
 
 
-__all__ = ["Staged", "stage", "temp_name"]
+__all__ = ["ANALYZE_ROWS", "Staged", "session_name", "stage", "temp_name"]
