@@ -77,6 +77,11 @@ def _slack(interval: timedelta | None) -> timedelta:
 
 
 def _error_text(exc: BaseException) -> str:
+    # SQLAlchemy wraps the driver's error in a text of its own (the SQL again, a
+    # link); the driver's error says what PostgreSQL said.
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, BaseException):
+        exc = orig
     message = f"{type(exc).__name__}: {exc}".strip()
     return message if len(message) <= 4000 else message[:3997] + "..."
 

@@ -348,6 +348,9 @@ def test_database_errors_are_recorded_with_their_sqlstate(items):
             )
         )
         assert (fk.outcome, fk.sqlstate) == ("failed", "23503")
+        # What PostgreSQL said, without SQLAlchemy's wrapping around it.
+        assert fk.error.startswith("ForeignKeyViolation: insert or update on table")
+        assert "sqlalche.me" not in fk.error
 
         with items.connect() as holder:
             holder.begin()
