@@ -10,6 +10,7 @@ declares where no foreign key says so).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,6 +236,42 @@ def _column_infos(
     return candidates, everything, always, by_default
 
 
+# What a reflection read, as one row of catalog row versions: for the target,
+# each declared parent and each table its foreign keys reference, the oid and
+# row version (xmin) of its pg_class and pg_namespace rows and of every
+# pg_attribute, pg_constraint and pg_index row. Every DDL that could change
+# a reflection (columns added, dropped, renamed or retyped, NOT NULL, keys,
+# indexes, foreign keys, tables or schemas renamed, dropped and recreated,
+# another table found on the search_path) writes a new version of one of
+# these rows, so a new xmin; statistics (ANALYZE, VACUUM) are written in
+# place and don't. A false alarm only costs a reflection.
+_RELATION_FINGERPRINT = """
+select array[c.oid::text, c.xmin::text, n.xmin::text,
+    (select string_agg(a.xmin::text, ',' order by a.attnum) from pg_attribute a
+     where a.attrelid = c.oid),
+    (select string_agg(x.oid::text || ':' || x.xmin::text, ',' order by x.oid)
+     from pg_constraint x where x.conrelid = c.oid),
+    (select string_agg(i.indexrelid::text || ':' || i.xmin::text, ',' order by i.indexrelid)
+     from pg_index i where i.indrelid = c.oid)]
+from pg_class c join pg_namespace n on n.oid = c.relnamespace where c.oid = {rel}
+"""
+
+_FINGERPRINT = (
+    "select array(select to_regclass(r)::int8 from unnest(%(names)s::text[]) as r),"
+    " array(select ("
+    + _RELATION_FINGERPRINT.format(rel="r.oid")
+    + ") from (select distinct con.confrelid as oid from pg_constraint con"
+    " where con.conrelid = to_regclass(%(target)s) and con.contype = 'f'"
+    " union select to_regclass(n) from unnest(%(names)s::text[]) as n) as r"
+    " where r.oid is not null order by r.oid)"
+)
+
+#: per driver connection: (name, key, parents) -> (fingerprint, Target)
+_reflected: weakref.WeakKeyDictionary[
+    Any, dict[tuple[str, tuple[str, ...] | None, tuple[Parent, ...]], tuple[Any, Target]]
+] = weakref.WeakKeyDictionary()
+
+
 def reflect_target(
     conn: Connection,
     target: str,
@@ -243,6 +280,11 @@ def reflect_target(
     parents: Sequence[Parent] = (),
 ) -> Target:
     """Read ``target``'s definition from the catalog.
+
+    A connection keeps what it reflected, together with the row versions of
+    the catalog rows it came from (those of the target, its declared parents
+    and the tables its foreign keys reference); one query compares them, and
+    any change of the definition reflects the table again.
 
     ``key``: the diff key; defaults to the primary key. Its columns must be
     NOT NULL and covered by a unique index (a unique constraint or index on
@@ -254,6 +296,32 @@ def reflect_target(
     then carry their values). Raises :class:`ConfigError` naming the table
     when it is missing, is not a table, or has no usable key.
     """
+    pg = conn.connection.driver_connection
+    cache_key = (target, None if key is None else tuple(key), tuple(parents))
+    fingerprint: Any = None
+    try:
+        names = [qualified(n).as_string(pg) for n in (target, *(p.table for p in parents))]
+    except ValueError:
+        names = []  # _resolve raises the error
+    if names:
+        # taken before the reflection: a change in between reflects again next time
+        fingerprint = execute(conn, _FINGERPRINT, {"names": names, "target": names[0]}).fetchone()
+        cached = _reflected.get(pg, {}).get(cache_key)
+        if cached is not None and fingerprint is not None and cached[0] == fingerprint:
+            return cached[1]
+    result = _reflect(conn, target, key=key, parents=parents)
+    if fingerprint is not None and fingerprint[0][0] == result.oid:
+        _reflected.setdefault(pg, {})[cache_key] = (fingerprint, result)
+    return result
+
+
+def _reflect(
+    conn: Connection,
+    target: str,
+    *,
+    key: Sequence[str] | None,
+    parents: Sequence[Parent],
+) -> Target:
     oid, schema, table, kind = _resolve(conn, target, "target")
     label = f"{schema}.{table}"
     candidates, everything, always, by_default = _column_infos(conn, oid)
