@@ -118,12 +118,19 @@ class Scope:
 
     columns: tuple[str, ...]
     keys: sql.Identifier
+    #: how many rows ``keys`` holds, when the caller knows: a small scope
+    #: (under 1,000 keys) is read from the target by one index probe per key
+    rows: int | None = None
 
     def __post_init__(self) -> None:
         if not self.columns or not all(isinstance(c, str) and c for c in self.columns):
             raise ConfigError(f"Scope.columns: expected column names, got {self.columns!r}")
         if not isinstance(self.keys, sql.Identifier):
             raise ConfigError(f"Scope.keys: expected a psycopg sql.Identifier, got {self.keys!r}")
+        if self.rows is not None and (
+            not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 0
+        ):
+            raise ConfigError(f"Scope.rows: expected a count of keys, got {self.rows!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -357,9 +364,24 @@ def _build_diff(
         target_side = sql.SQL("(select {} from {}) as t").format(_ids(target_cols), t.ident)
     else:
         sc = plan.scope.columns
-        target_side = sql.SQL("(select {} from {} where ({}) in (select {} from {})) as t").format(
-            _ids(target_cols), t.ident, _ids(sc), _ids(sc), plan.scope.keys
-        )
+        rows = plan.scope.rows
+        if rows is not None and rows < ANALYZE_ROWS and t.indexed(sc):
+            # A few keys: one index probe each (OFFSET 0 keeps the subquery
+            # a parameterized scan), never a scan of the whole target, which
+            # the estimate of an unanalyzed keys table can lead to.
+            target_side = sql.SQL(
+                "(select x.* from {keys} as k cross join lateral"
+                " (select {cols} from {t} as y where {on} offset 0) as x) as t"
+            ).format(
+                keys=plan.scope.keys,
+                cols=_ids(target_cols, "y"),
+                t=t.ident,
+                on=_eq("y", sc, "k", sc),
+            )
+        else:
+            target_side = sql.SQL(
+                "(select {} from {} where ({}) in (select {} from {})) as t"
+            ).format(_ids(target_cols), t.ident, _ids(sc), _ids(sc), plan.scope.keys)
         outside = sql.SQL(
             "(select count(*) from {} as s where not exists (select from {} as k where {}))"
         ).format(s.table, plan.scope.keys, _eq("s", sc, "k", sc))
@@ -541,8 +563,23 @@ _KEYED_ON = sql.SQL(
     " select set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)"
 )
 _KEYED_OFF = sql.SQL(
-    "select set_config('enable_hashjoin', current_setting('pgjobs.enable_hashjoin'), true),"
-    " set_config('enable_mergejoin', current_setting('pgjobs.enable_mergejoin'), true)"
+    "select set_config('enable_hashjoin',"
+    " coalesce(nullif(current_setting('pgjobs.enable_hashjoin', true), ''),"
+    " current_setting('enable_hashjoin')), true),"
+    " set_config('enable_mergejoin',"
+    " coalesce(nullif(current_setting('pgjobs.enable_mergejoin', true), ''),"
+    " current_setting('enable_mergejoin')), true)"
+)
+# JIT compiles a statement whose estimated cost passes jit_above_cost, and an
+# estimate from an unanalyzed temp table can: some 10 ms of compiling for a
+# statement that runs in one. The writer's statements are joins over keys.
+_JIT_OFF = sql.SQL(
+    "select set_config('pgjobs.jit', current_setting('jit'), true);"
+    " select set_config('jit', 'off', true)"
+)
+_JIT_BACK = sql.SQL(
+    "select set_config('jit', coalesce(nullif(current_setting('pgjobs.jit', true), ''),"
+    " current_setting('jit')), true)"
 )
 
 
@@ -1163,14 +1200,22 @@ def write_diff(
             raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
 
     plan = _Plan(target, staged, scope, preserve=chunk_parents is not None)
+    if plan.session:
+        _defer(conn, _JIT_OFF)
     try:
-        return _write(conn, plan, chunk_parents, checkpoint, report, wait_busy, started)
+        result = _write(conn, plan, chunk_parents, checkpoint, report, wait_busy, started)
     except BaseException:
         # what was deferred (planner settings given back, a savepoint
         # released) still runs if the transaction can run it
+        if plan.session:
+            _defer(conn, _JIT_BACK)
         with suppress(psycopg.Error):
             _flush(conn)
         raise
+    if plan.session:
+        _defer(conn, _JIT_BACK)
+    _flush(conn)
+    return result
 
 
 def _write(

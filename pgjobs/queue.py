@@ -742,7 +742,7 @@ class _Worker:
             self.conn,
             self.target,
             staged,
-            scope=Scope(columns=self.job.scope, keys=self.keys_table),
+            scope=Scope(columns=self.job.scope, keys=self.keys_table, rows=len(keys)),
             wait_busy=False,
         )
         b.write_seconds += result.write_seconds

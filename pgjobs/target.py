@@ -87,6 +87,14 @@ class Target:
     types: Mapping[str, ColumnInfo] = field(default_factory=dict)
     #: parents: foreign keys (sorted by parent table, then columns), then declared ones
     parents: tuple[ParentRef, ...] = ()
+    #: the key columns of the table's plain btree indexes (valid, no predicate,
+    #: no expression), in index order: which lookups an index serves
+    indexes: tuple[tuple[str, ...], ...] = ()
+
+    def indexed(self, columns: Sequence[str]) -> bool:
+        """Whether an index leads with ``columns`` (in any order)."""
+        want = set(columns)
+        return any(set(ix[: len(want)]) == want for ix in self.indexes)
 
     @property
     def ident(self) -> sql.Identifier:
@@ -167,6 +175,18 @@ where con.conrelid = %s and con.contype = 'f'
   and not exists (select 1 from pg_constraint up
                   where up.oid = con.conparentid and up.conrelid = con.conrelid)
 order by pn.nspname, pc.relname, con.conname
+"""
+
+
+_INDEXES = """
+select array(
+    select a.attname from unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) with ordinality k(attnum, ord)
+    join pg_attribute a on a.attrelid = i.indrelid and a.attnum = k.attnum order by k.ord)
+from pg_index i
+join pg_class ic on ic.oid = i.indexrelid
+join pg_am am on am.oid = ic.relam
+where i.indrelid = %s and i.indisvalid and i.indpred is null and i.indexprs is null
+  and am.amname = 'btree'
 """
 
 
@@ -425,6 +445,7 @@ def _reflect(
         columns=columns,
         types=types,
         parents=tuple(refs),
+        indexes=tuple(tuple(r[0]) for r in execute(conn, _INDEXES, (oid,))),
     )
 
 
