@@ -291,14 +291,18 @@ def _insert_select(
     # type, as it would in an INSERT the user wrote.
     stage_table = table(name, *(column(c) for c in names))
     statement = insert(stage_table).from_select(list(names), query)
+    # preserve_rowcount (SQLAlchemy >= 2.0.28) keeps the driver's row count of
+    # INSERT ... SELECT; without it, the rows are counted.
+    options = {"preserve_rowcount": True}
     if keyed is not None:
         # the session table has its key in place: the insert itself rejects
         # duplicates
         with _key_errors(keyed):
-            conn.execute(statement, params)
+            result = conn.execute(statement, params, execution_options=options)
     else:
-        conn.execute(statement, params)
-    # SQLAlchemy reports no rowcount for INSERT ... SELECT; count the rows.
+        result = conn.execute(statement, params, execution_options=options)
+    if result.rowcount >= 0:
+        return int(result.rowcount)
     counted = execute(conn, sql.SQL("select count(*) from {}").format(sql.Identifier(name)))
     row = counted.fetchone()
     return int(row[0]) if row else 0
