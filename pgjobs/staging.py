@@ -35,6 +35,7 @@ from psycopg.adapt import Dumper
 from psycopg.types.numeric import dump_decimal_to_numeric_binary, dump_int_to_numeric_binary
 from sqlalchemy import column, insert, literal_column, select, table, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import FromClause, Select, SelectBase
 
@@ -223,23 +224,29 @@ def _prepare_session(conn: Connection, target: Target, columns: Sequence[str]) -
 
 @contextmanager
 def _key_errors(target: Target) -> Iterator[None]:
-    """Duplicate or NULL keys, as :func:`stage` reports them."""
+    """Duplicate or NULL keys, as :func:`stage` reports them (from psycopg,
+    or wrapped by SQLAlchemy)."""
     key = ", ".join(target.key)
     try:
         yield
-    except psycopg.errors.UniqueViolation as exc:
-        detail = exc.diag.message_detail or ""
-        raise JobError(
-            f"target {target.label}: the new rows repeat the diff key ({key}): {detail} "
-            f"Nothing was written.",
-            sqlstate=exc.sqlstate,
-        ) from exc
-    except psycopg.errors.NotNullViolation as exc:
-        raise JobError(
-            f"target {target.label}: a new row has NULL in the diff key ({key}), column "
-            f"{exc.diag.column_name}. Nothing was written.",
-            sqlstate=exc.sqlstate,
-        ) from exc
+    except (psycopg.errors.UniqueViolation, psycopg.errors.NotNullViolation, DBAPIError) as exc:
+        orig = exc.orig if isinstance(exc, DBAPIError) else exc
+        if isinstance(orig, psycopg.errors.UniqueViolation):
+            detail = orig.diag.message_detail or ""
+            raise JobError(
+                f"target {target.label}: the new rows repeat the diff key ({key}): {detail} "
+                f"Nothing was written.",
+                sqlstate=orig.sqlstate,
+            ) from exc
+        if isinstance(orig, psycopg.errors.NotNullViolation) and orig.diag.column_name in set(
+            target.key
+        ):
+            raise JobError(
+                f"target {target.label}: a new row has NULL in the diff key ({key}), column "
+                f"{orig.diag.column_name}. Nothing was written.",
+                sqlstate=orig.sqlstate,
+            ) from exc
+        raise
 
 
 # -- SQL sources -------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""What makes a small diff cheap, checked for correctness on real PostgreSQL:
+session temp tables (kept per connection, emptied per call, recreated when a
+rollback took them away), session staging, the per-connection reflection
+cache (invalidated by any DDL that changes the definition) and the keyed
+read of a small scope.
+"""
+
+from __future__ import annotations
+
+import pytest
+from psycopg import sql
+
+import pgjobs
+from pgjobs.diff import Scope, reflect_target, stage, write_diff
+
+SCHEMA = """
+create table parent (id int primary key);
+create table derived (
+    parent_id int not null references parent on delete cascade,
+    n int not null,
+    v int,
+    primary key (parent_id, n)
+);
+insert into parent select generate_series(1, 10);
+"""
+
+
+def run_sql(engine, statements: str) -> None:
+    with engine.connect() as conn:
+        pg = conn.connection.driver_connection
+        pg.execute(statements)
+        pg.commit()
+
+
+def rows(engine):
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.exec_driver_sql("select * from derived order by 1, 2")]
+
+
+def keys_table(pg, keys):
+    pg.execute("create temp table if not exists items (parent_id int) on commit delete rows")
+    pg.execute("delete from items")
+    pg.execute("insert into items select unnest(%s::int[])", (list(keys),))
+
+
+def scoped_write(conn, new_rows, keys):
+    """One scoped diff, staged in the session stage table."""
+    pg = conn.connection.driver_connection
+    keys_table(pg, keys)
+    target = reflect_target(conn, "derived")
+    staged = stage(conn, target, new_rows, session=True)
+    scope = Scope(columns=("parent_id",), keys=sql.Identifier("items"), rows=len(keys))
+    return write_diff(conn, target, staged, scope=scope, wait_busy=False)
+
+
+def test_two_scoped_diffs_in_one_transaction_reuse_the_session_tables(engine):
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn, conn.begin():
+        first = scoped_write(conn, [(1, 1, 10), (1, 2, 20)], [1])
+        # the second call must not see the first call's difference or stage
+        second = scoped_write(conn, [(2, 1, 30)], [2])
+        third = scoped_write(conn, [(1, 1, 11)], [1])
+    assert first.stats == pgjobs.DiffStats(inserted=2)
+    assert second.stats == pgjobs.DiffStats(inserted=1)
+    assert third.stats == pgjobs.DiffStats(updated=1, deleted=1)
+    assert rows(engine) == [(1, 1, 11), (2, 1, 30)]
+
+
+def test_session_tables_come_back_after_a_rollback_took_them(engine):
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn:
+        pg = conn.connection.driver_connection
+        with conn.begin():
+            # created inside a savepoint that is rolled back: gone again
+            pg.execute("savepoint s")
+            scoped_write(conn, [(1, 1, 1)], [1])
+            pg.execute("rollback to savepoint s")
+            result = scoped_write(conn, [(1, 1, 2)], [1])
+            assert result.stats == pgjobs.DiffStats(inserted=1)
+        with conn.begin():
+            scoped_write(conn, [(3, 1, 3)], [3])
+            conn.rollback()
+        with conn.begin():
+            result = scoped_write(conn, [(3, 1, 4)], [3])
+        assert result.stats == pgjobs.DiffStats(inserted=1)
+        with conn.begin():
+            # ON COMMIT DELETE ROWS: nothing of an earlier transaction is left
+            left = pg.execute(
+                "select count(*) from pg_class where relnamespace = pg_my_temp_schema()"
+                " and relkind = 'r' and relname ~ '^pgjobs_s'"
+            ).fetchone()
+            assert left is not None and left[0] > 0
+    assert rows(engine) == [(1, 1, 2), (3, 1, 4)]
+
+
+def test_session_stage_refuses_repeated_and_null_keys(engine):
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn:
+        with conn.begin():
+            target = reflect_target(conn, "derived")
+        with conn.begin(), pytest.raises(pgjobs.JobError, match="repeat the diff key"):
+            stage(conn, target, [(1, 1, 1), (1, 1, 2)], session=True)
+        with conn.begin(), pytest.raises(pgjobs.JobError, match="NULL in the diff key"):
+            stage(conn, target, "select 1 as parent_id, null::int as n, 1 as v", session=True)
+        with conn.begin():
+            staged = stage(conn, target, "select 1 as parent_id, 1 as n, 1 as v", session=True)
+            assert staged.rows == 1
+            again = stage(conn, target, [(2, 1, 1), (2, 2, 1)], session=True)
+            assert again.table == staged.table and again.rows == 2
+            count = conn.exec_driver_sql(
+                f"select count(*) from {again.table.as_string(None)}"
+            ).scalar()
+            assert count == 2
+
+
+def test_reflection_is_cached_until_the_definition_changes(engine):
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn:
+        with conn.begin():
+            first = reflect_target(conn, "derived")
+            assert reflect_target(conn, "derived") is first
+        # a new column
+        run_sql(engine, "alter table derived add column w int")
+        with conn.begin():
+            second = reflect_target(conn, "derived")
+        assert second is not first and "w" in second.columns
+        # a new foreign key (a new parent to lock)
+        run_sql(
+            engine,
+            "create table other (id int primary key); insert into other values (1);"
+            " alter table derived add column other_id int references other",
+        )
+        with conn.begin():
+            third = reflect_target(conn, "derived")
+        assert [p.table for p in third.parents] == [("public", "other"), ("public", "parent")]
+        # a referenced table renamed
+        run_sql(engine, "alter table other rename to other2")
+        with conn.begin():
+            fourth = reflect_target(conn, "derived")
+        assert ("public", "other2") in [p.table for p in fourth.parents]
+        # a new index
+        run_sql(engine, "create index derived_v on derived (v)")
+        with conn.begin():
+            fifth = reflect_target(conn, "derived")
+        assert fifth.indexed(("v",)) and not fourth.indexed(("v",))
+        # dropped and created again
+        run_sql(
+            engine,
+            "drop table derived; create table derived (parent_id int primary key, x int)",
+        )
+        with conn.begin():
+            sixth = reflect_target(conn, "derived")
+        assert sixth.oid != first.oid and sixth.key == ("parent_id",) and sixth.parents == ()
+        # statistics (written in place) keep the cache
+        run_sql(engine, "analyze derived")
+        with conn.begin():
+            assert reflect_target(conn, "derived") is sixth
+
+
+def test_a_small_scope_is_read_by_key_and_a_large_one_by_join(engine):
+    run_sql(engine, SCHEMA)
+    run_sql(
+        engine,
+        "insert into derived select p, n, p * n from generate_series(1, 10) p, "
+        "generate_series(1, 3) n",
+    )
+    new = [(p, n, p * n + (1 if p == 2 else 0)) for p in (2, 3) for n in (1, 2, 3)]
+    # rows=None (unknown) plans a join, rows=2 reads by key: the same result
+    for hint in (None, 2):
+        with engine.connect() as conn, conn.begin():
+            pg = conn.connection.driver_connection
+            keys_table(pg, [2, 3])
+            target = reflect_target(conn, "derived")
+            staged = stage(conn, target, new, session=True)
+            scope = Scope(columns=("parent_id",), keys=sql.Identifier("items"), rows=hint)
+            result = write_diff(conn, target, staged, scope=scope)
+            assert result.stats == pgjobs.DiffStats(updated=3, unchanged=3)
+            conn.rollback()
+
+
+def test_scope_rows_must_be_a_count():
+    with pytest.raises(pgjobs.ConfigError, match=r"Scope\.rows"):
+        Scope(columns=("a",), keys=sql.Identifier("k"), rows=-1)
