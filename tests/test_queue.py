@@ -207,7 +207,10 @@ def test_enqueue_rejects_bad_keys_and_names_the_problem(db):
 
 
 def test_enqueue_without_the_schema_says_how_to_install_it(engine):
-    with engine.begin() as conn, pytest.raises(pgjobs.PgJobsError, match=r"pgjobs\.install\(database\)"):
+    with (
+        engine.begin() as conn,
+        pytest.raises(pgjobs.PgJobsError, match=r"pgjobs\.install\(database\)"),
+    ):
         enqueue(conn, "worker", [1])
 
 
