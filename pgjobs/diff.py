@@ -193,14 +193,19 @@ def _flush(conn: Connection) -> None:
         _execute(conn, sql.SQL("; ").join(waiting))
 
 
-def _multi(conn: Connection, statements: Sequence[sql.Composable]) -> list[int]:
-    """Run ``statements`` (no parameters) in one round trip; their row counts."""
+def _multi(
+    conn: Connection, statements: Sequence[sql.Composable]
+) -> list[tuple[int, list[tuple[Any, ...]] | None]]:
+    """Run ``statements`` (no parameters, one SQL statement each) in one
+    round trip; per statement, its row count and, for a query, its rows."""
     waiting = _pending.pop(driver(conn), None) or []
     cur = _execute(conn, sql.SQL("; ").join([*waiting, *statements]))
-    counts = [cur.rowcount]
-    while cur.nextset():
-        counts.append(cur.rowcount)
-    return counts[-len(statements) :]
+    out: list[tuple[int, list[tuple[Any, ...]] | None]] = []
+    while True:
+        out.append((cur.rowcount, cur.fetchall() if cur.description else None))
+        if not cur.nextset():
+            break
+    return out[-len(statements) :]
 
 
 # -- SQL composition helpers ---------------------------------------------------------
@@ -265,6 +270,8 @@ class _Plan:
         self.need = [name("need", i) for i, _ in enumerate(self.parents)]
         self.alive = [name("alive", i) for i, _ in enumerate(self.parents)]
         self.gone = [name("gone", i) for i, _ in enumerate(self.parents)]
+        #: the size of each ``need`` table, once filled with the difference
+        self.needs: list[int] | None = None
         #: the difference was analyzed (and so are the sets derived from it)
         self.analyzed = True
         self.temps: list[sql.Identifier] = []
@@ -439,10 +446,28 @@ def _build_diff(
         statements += _parent_tables_sql(plan)
         statements += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
         statements.append(sql.SQL("insert into {} {}").format(plan.d, body))
-        rows = _multi(conn, statements)[-1]
+        # ... and what needs nothing but the difference: its counts, the
+        # parent keys each parent table must keep alive
+        statements.append(_counts_sql(plan, outside))
+        statements += [_need_sql(plan, i, None) for i in range(len(plan.parents))]
+        # JIT only around this statement: see _JIT_OFF
+        results = _multi(conn, [*_JIT_OFF, *statements, _JIT_BACK])[len(_JIT_OFF) : -1]
+        first = len(statements) - len(plan.parents) - 2
+        rows = results[first][0]
+        counted = results[first + 1][1]
+        plan.needs = [n for n, _ in results[first + 2 :]]
         # A small difference is planned from its size (and its passes use
         # keyed plans): ANALYZE costs more than it saves there.
         plan.analyzed = rows >= ANALYZE_ROWS
+        if plan.analyzed:
+            _defer(
+                conn,
+                sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
+            )
+            for ident in plan.need:
+                _defer(conn, sql.SQL("analyze {}").format(ident))
+        assert counted is not None
+        return _counted(plan, counted[0])
     else:
         if chunk_parents:
             body = _with_chunks(plan, body, chunk_parents)
@@ -452,19 +477,26 @@ def _build_diff(
             execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
         if plan.self_ref is not None:
             execute(conn, sql.SQL("create index on {} ({})").format(plan.d, _ids(plan.kc())))
-    if plan.analyzed:
-        _defer(
-            conn,
-            sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
-        )
-    row = execute(
+    _defer(
         conn,
-        sql.SQL(
-            "select {outside}, count(*) filter (where op = 'i'), count(*) filter (where op = 'u'),"
-            " count(*) filter (where op = 'd'), ({estimate}) from {d}"
-        ).format(outside=outside, estimate=_estimated_rows_sql(target), d=plan.d),
-    ).fetchone()
+        sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
+    )
+    row = execute(conn, _counts_sql(plan, outside)).fetchone()
     assert row is not None
+    return _counted(plan, row)
+
+
+def _counts_sql(plan: _Plan, outside: sql.Composable) -> sql.Composed:
+    return sql.SQL(
+        "select {outside}, count(*) filter (where op = 'i'), count(*) filter (where op = 'u'),"
+        " count(*) filter (where op = 'd'), ({estimate}) from {d}"
+    ).format(outside=outside, estimate=_estimated_rows_sql(plan.target), d=plan.d)
+
+
+def _counted(plan: _Plan, row: tuple[Any, ...]) -> tuple[dict[str, int], float]:
+    """(rows by op, the target's estimated size) from the counts query; a
+    scoped diff with new rows outside its scope is refused here."""
+    t = plan.target
     if row[0]:
         assert plan.scope is not None
         raise JobError(
@@ -572,11 +604,13 @@ _KEYED_OFF = sql.SQL(
 )
 # JIT compiles a statement whose estimated cost passes jit_above_cost, and an
 # estimate from an unanalyzed temp table can: some 10 ms of compiling for a
-# statement that runs in one. The writer's statements are joins over keys.
-_JIT_OFF = sql.SQL(
-    "select set_config('pgjobs.jit', current_setting('jit'), true);"
-    " select set_config('jit', 'off', true)"
-)
+# statement that runs in one. Off while a session difference is taken (the
+# one statement planned on an unanalyzed keys table); the writes, planned on
+# the difference, keep the server's setting.
+_JIT_OFF = [
+    sql.SQL("select set_config('pgjobs.jit', current_setting('jit'), true)"),
+    sql.SQL("select set_config('jit', 'off', true)"),
+]
 _JIT_BACK = sql.SQL(
     "select set_config('jit', coalesce(nullif(current_setting('pgjobs.jit', true), ''),"
     " current_setting('jit')), true)"
@@ -620,35 +654,38 @@ def _chunk_filter(alias: str | None, chunk: int | None) -> sql.Composable:
     return sql.SQL("{} = {}").format(col, sql.Literal(chunk))
 
 
-def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
-    """The parent keys of parent ``i`` that this pass's rows need."""
+def _need_sql(plan: _Plan, i: int, chunk: int | None) -> sql.Composed:
+    """Fill ``need`` of parent ``i``: the parent keys this pass's rows need
+    (new values of inserts and updates, old values of updates and deletes)."""
     p = plan.parents[i]
     n = [f"n{j}" for j in range(len(p.columns))]
     new = [plan.c[c] for c in p.columns]
     old = [plan.f[c] for c in p.columns]
     where = _chunk_filter(None, chunk)
+    return sql.SQL(
+        "insert into {need} ({n}) "
+        "select {new} from {d} where op <> 'd' and {where} and {new_nn} "
+        "union "
+        "select {old} from {d} where op <> 'i' and {where} and {old_nn}"
+    ).format(
+        need=plan.need[i],
+        n=_ids(n),
+        new=_ids(new),
+        old=_ids(old),
+        d=plan.d,
+        where=where,
+        new_nn=_not_null(None, new),
+        old_nn=_not_null(None, old),
+    )
+
+
+def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
+    """Fill ``need`` of parent ``i`` for this pass; returns its size."""
     if chunk is not None:
         _defer(conn, sql.SQL("truncate {}").format(plan.need[i]))
     # the table is empty (new, emptied per call, or truncated per chunk): the
     # insert's row count is its size
-    count = execute(
-        conn,
-        sql.SQL(
-            "insert into {need} ({n}) "
-            "select {new} from {d} where op <> 'd' and {where} and {new_nn} "
-            "union "
-            "select {old} from {d} where op <> 'i' and {where} and {old_nn}"
-        ).format(
-            need=plan.need[i],
-            n=_ids(n),
-            new=_ids(new),
-            old=_ids(old),
-            d=plan.d,
-            where=where,
-            new_nn=_not_null(None, new),
-            old_nn=_not_null(None, old),
-        ),
-    ).rowcount
+    count = execute(conn, _need_sql(plan, i, chunk)).rowcount
     if plan.analyzed:
         _defer(conn, sql.SQL("analyze {}").format(plan.need[i]))
     return int(count)
@@ -845,7 +882,10 @@ def _lock_parents(
             sql.SQL("truncate {}").format(sql.SQL(", ").join([*plan.alive, *plan.gone, plan.bad])),
         )
     if plan.parents:
-        needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
+        if plan.needs is not None and chunk is None:
+            needs = plan.needs  # filled with the difference
+        else:
+            needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
         # Row locks taken after a savepoint are released by rolling back to it.
         _defer(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
@@ -1200,20 +1240,14 @@ def write_diff(
             raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
 
     plan = _Plan(target, staged, scope, preserve=chunk_parents is not None)
-    if plan.session:
-        _defer(conn, _JIT_OFF)
     try:
         result = _write(conn, plan, chunk_parents, checkpoint, report, wait_busy, started)
     except BaseException:
         # what was deferred (planner settings given back, a savepoint
         # released) still runs if the transaction can run it
-        if plan.session:
-            _defer(conn, _JIT_BACK)
         with suppress(psycopg.Error):
             _flush(conn)
         raise
-    if plan.session:
-        _defer(conn, _JIT_BACK)
     _flush(conn)
     return result
 

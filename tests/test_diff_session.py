@@ -55,11 +55,18 @@ def scoped_write(conn, new_rows, keys):
 
 def test_two_scoped_diffs_in_one_transaction_reuse_the_session_tables(engine):
     run_sql(engine, SCHEMA)
+    settings = (
+        "select current_setting('jit'), current_setting('enable_hashjoin'),"
+        " current_setting('enable_mergejoin')"
+    )
     with engine.connect() as conn, conn.begin():
+        before = conn.exec_driver_sql(settings).one()
         first = scoped_write(conn, [(1, 1, 10), (1, 2, 20)], [1])
         # the second call must not see the first call's difference or stage
         second = scoped_write(conn, [(2, 1, 30)], [2])
         third = scoped_write(conn, [(1, 1, 11)], [1])
+        # the planner settings the writer changes for a while are given back
+        assert conn.exec_driver_sql(settings).one() == before
     assert first.stats == pgjobs.DiffStats(inserted=2)
     assert second.stats == pgjobs.DiffStats(inserted=1)
     assert third.stats == pgjobs.DiffStats(updated=1, deleted=1)
