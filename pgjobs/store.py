@@ -9,6 +9,7 @@ with no lock; otherwise the migrations run under a blocking advisory lock
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 from psycopg import errors, sql
+from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
 from ._pg import execute
@@ -25,6 +27,10 @@ from .results import RunResult
 log = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgjobs"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str)
 
 
 def _migrations() -> list[tuple[int, str]]:
@@ -195,8 +201,8 @@ class Store:
             sql.SQL(
                 "insert into {} (job, outcome, started_at, finished_at, compute_ms, write_ms,"
                 " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged, items,"
-                " failed_items, error, sqlstate, worker) values (%s, %s, %s, %s, %s, %s, %s, %s,"
-                " %s, %s, %s, %s, %s, %s, %s, %s, %s) returning id"
+                " failed_items, error, sqlstate, worker, detail) values (%s, %s, %s, %s, %s, %s, %s,"
+                " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) returning id"
             ).format(self.table("run")),
             (
                 result.job,
@@ -216,6 +222,7 @@ class Store:
                 result.error,
                 result.sqlstate,
                 worker,
+                Jsonb(result.detail, dumps=_dumps) if result.detail else None,
             ),
         ).fetchone()
         assert row is not None
@@ -236,7 +243,7 @@ class Store:
         query = sql.SQL(
             "select id, job, outcome, started_at, finished_at, compute_ms, write_ms, lock_ms,"
             " inserted, updated, deleted, skipped_missing_parent, unchanged, items, failed_items,"
-            " error, sqlstate, worker from {} {} order by started_at desc, id desc limit %s"
+            " error, sqlstate, worker, detail from {} {} order by started_at desc, id desc limit %s"
         ).format(self.table("run"), sql.SQL("where job = %s") if job else sql.SQL(""))
         cur = execute(conn, query, (job, limit) if job else (limit,))
         names = [d.name for d in cur.description or ()]

@@ -485,3 +485,18 @@ def test_run_once_accepts_urls_and_engines(items, db_url):
     assert result.outcome == "ran"
     with pytest.raises(pgjobs.ConfigError, match="database"):
         pgjobs.run_once(pgjobs.TaskJob(name="c", run=lambda c: None), database="mysql://x/y")
+
+
+def test_a_recompute_run_record_keeps_the_writers_detail(items):
+    with items.begin() as conn:
+        conn.execute(text("create table derived (id int primary key references item, note text)"))
+        conn.execute(text("insert into item values (1, 'a'), (2, 'b')"))
+    job = pgjobs.RecomputeJob(name="copy", target="derived", compute="select id, note from item")
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(job)
+    assert result.outcome == "ran" and result.stats.inserted == 2
+    with items.connect() as conn:
+        detail = conn.execute(
+            text("select detail from pgjobs.run where id = :id"), {"id": result.run_id}
+        ).scalar_one()
+    assert detail["staged_rows"] == 2 and detail["deferred"] == 0
