@@ -331,12 +331,11 @@ class Runner:
             sqlstate=sqlstate,
             next_attempt_at=next_attempt,
         )
-        try:
-            if conn.invalidated:
-                raise RuntimeError("connection lost")
-            with conn.begin():
+
+        def save(c: Connection) -> RunResult:
+            with c.begin():
                 self.store.record_failure(
-                    conn,
+                    c,
                     job.name,
                     started_at=started,
                     failures=failures,
@@ -344,21 +343,16 @@ class Runner:
                     error=error,
                     sqlstate=sqlstate,
                 )
-                run_id = self.store.insert_run(conn, result, self.worker)
-            return _with_run_id(result, run_id)
-        except Exception:
-            with self.engine.connect() as other, other.begin():
-                self.store.record_failure(
-                    other,
-                    job.name,
-                    started_at=started,
-                    failures=failures,
-                    next_attempt_at=next_attempt,
-                    error=error,
-                    sqlstate=sqlstate,
-                )
-                run_id = self.store.insert_run(other, result, self.worker)
-            return _with_run_id(result, run_id)
+                return _with_run_id(result, self.store.insert_run(c, result, self.worker))
+
+        if not conn.invalidated:
+            try:
+                return save(conn)
+            except Exception:
+                log.debug("pgjobs: recording %s's failure on its own connection failed", job.name)
+        # The job's connection broke with the job: record on a new one.
+        with self.engine.connect() as other:
+            return save(other)
 
     def _record(self, conn: Connection, result: RunResult) -> RunResult:
         with conn.begin():
