@@ -11,11 +11,20 @@ is locked, so users delete and merge parents freely meanwhile.
 **Write** (:func:`write_diff`), in this order, and the order is the point:
 
 1. *The difference*, materialized into a temp table (one keyed full join of
-   the staged rows against the target) and ``ANALYZE``d, together with the
-   set of parent keys each parent table must keep alive for it. Still no
-   row lock. A CTE has no statistics: the recipe that computed the
-   difference in a CTE got a 1-row estimate against 500,000 rows, nested
-   loops, and 30 s writes; every later statement here reads analyzed tables.
+   the staged rows against the target), together with the set of parent
+   keys each parent table must keep alive for it. Still no row lock. A CTE
+   has no statistics: the recipe that computed the difference in a CTE got
+   a 1-row estimate against 500,000 rows, nested loops, and 30 s writes;
+   every later statement here reads materialized tables, ``ANALYZE``d from
+   1,000 rows on (below that, the planner's estimate from a table's size
+   serves, and a pass touching few target rows uses keyed plans anyway).
+
+   Unchunked writes use *session tables*: one set per target shape, kept
+   by the connection (``ON COMMIT DELETE ROWS``), created idempotently (a
+   rollback may have taken them away) and emptied per call, so that a small
+   diff costs no DDL; the difference, its counts and the parent sets are
+   then one round trip. A scoped diff of few keys (``Scope.rows``) reads
+   the target by one index probe per key.
 2. *The parents*, ``FOR KEY SHARE``, in key order, before any derived row
    is touched: the parents of every row to be inserted or updated (new
    values) and of every row to be updated or deleted (old values). A user's
