@@ -35,6 +35,15 @@ def execute(
     return driver(conn).execute(query, params)  # type: ignore[arg-type]
 
 
+def set_local(settings: Mapping[str, str]) -> tuple[sql.Composed, list[str]]:
+    """A ``select`` that sets ``settings`` for the current transaction
+    (``SET LOCAL``, which takes no parameters, as ``set_config(..., true)``),
+    to run alone or as a subquery of another statement: one round trip."""
+    calls = sql.SQL(", ").join(sql.SQL("set_config(%s, %s, true)") for _ in settings)
+    params = [part for item in settings.items() for part in item]
+    return sql.SQL("select {}").format(calls), params
+
+
 def qualified(name: str) -> sql.Identifier:
     """``"schema.table"`` or ``"table"`` as a (qualified) identifier."""
     parts = name.split(".")

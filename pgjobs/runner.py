@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
+from ._pg import execute, set_local
 from .database import resolve_engine
 from .errors import ConfigError
 from .jobs import Job
@@ -66,6 +66,19 @@ class RunContext:
     def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
         if self.progress is not None:
             self.progress(phase, done, total)
+
+
+_READ_ONLY = {"transaction_read_only": "on"}
+
+
+def _timeouts(job: Job) -> dict[str, str]:
+    """``SET LOCAL`` values of the job's ``lock_timeout`` and ``statement_timeout``."""
+    values = {}
+    for name in ("lock_timeout", "statement_timeout"):
+        value = getattr(job, name)
+        assert isinstance(value, timedelta)
+        values[name] = f"{int(value.total_seconds() * 1000)}ms"
+    return values
 
 
 def _slack(interval: timedelta | None) -> timedelta:
@@ -168,24 +181,25 @@ class Runner:
             )
             return self._record(conn, result)
 
-        # 1. Due? One indexed read, no lock.
-        with conn.begin():
-            state = self.store.read_state(conn, job.name)
-        blocked = None if force else self._not_due(job, state, started)
-        if blocked is not None:
-            return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
-
         ctx = RunContext(
             job=job, namespace=self.namespace, store=self.store, now=started, progress=progress
         )
 
-        # 2. Work? A short read-only transaction, no lock.
-        try:
-            with conn.begin():
-                conn.execute(text("set transaction read only"))
-                has_work = job.check_work(conn, ctx)
-        except Exception as exc:
-            return self._fail(conn, job, state, started, exc)
+        # 1. Due? and 2. Work? One short read-only transaction, no lock.
+        with conn.begin():
+            state = self.store.read_state(conn, job.name, settings=_READ_ONLY)
+            blocked = None if force else self._not_due(job, state, started)
+            if blocked is None:
+                try:
+                    has_work = job.check_work(conn, ctx)
+                except Exception as exc:
+                    error: Exception | None = exc
+                else:
+                    error = None
+        if blocked is not None:
+            return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
+        if error is not None:
+            return self._fail(conn, job, state, started, error)
         if not has_work:
             return finish(Outcome.IDLE)
 
@@ -196,15 +210,15 @@ class Runner:
             if not try_group_lock(conn, self.namespace, job.group or job.name):
                 trans.rollback()
                 return finish(Outcome.BUSY, retry_after=self._busy_retry(job))
-            # Re-check under the lock: a replica may have run the job meanwhile.
-            state = self.store.read_state(conn, job.name)
+            # Re-check under the lock (a replica may have run the job since
+            # step 1), setting the job's timeouts in the same round trip.
+            state = self.store.read_state(conn, job.name, settings=_timeouts(job))
             blocked = None if force else self._not_due(job, state, started)
             if blocked is not None:
                 trans.rollback()
                 return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
 
             # 4. Run.
-            self._set_timeouts(conn, job)
             if getattr(job, "chunk_parents", None):
                 session_locked = try_session_lock(conn, self.namespace, job.group or job.name)
 
@@ -212,18 +226,17 @@ class Runner:
                     nonlocal trans
                     trans.commit()
                     trans = conn.begin()
-                    self._set_timeouts(conn, job)
+                    execute(conn, *set_local(_timeouts(job)))
 
                 ctx.checkpoint = checkpoint
             execution = job.execute(conn, ctx)
 
             # 5. Commit the writes with the job's state and run record.
             next_attempt = self._next_after_success(job, started, next_due)
-            self.store.record_success(
-                conn, job.name, started_at=started, next_attempt_at=next_attempt
-            )
             result = self._result(job, Outcome.RAN, started, execution, next_attempt)
-            run_id = self.store.insert_run(conn, result, self.worker)
+            run_id = self.store.insert_run(
+                conn, result, self.worker, success_next_attempt=next_attempt
+            )
             trans.commit()
         except Exception as exc:
             if trans.is_active:
@@ -261,15 +274,6 @@ class Runner:
         # Spread over [retry/2, retry]: a fixed delay can line up with another
         # job's ticks (a 1 s job, a retry after 1 s) and lose the race every time.
         return retry * random.uniform(0.5, 1.0)
-
-    def _set_timeouts(self, conn: Connection, job: Job) -> None:
-        for name in ("lock_timeout", "statement_timeout"):
-            value = getattr(job, name)
-            assert isinstance(value, timedelta)
-            conn.execute(
-                text("select set_config(:name, :value, true)"),
-                {"name": name, "value": f"{int(value.total_seconds() * 1000)}ms"},
-            )
 
     def _release_session_lock(self, conn: Connection, job: Job) -> None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
@@ -21,7 +22,7 @@ from psycopg import errors, sql
 from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
-from ._pg import execute
+from ._pg import execute, set_local
 from .results import RunResult
 
 log = logging.getLogger(__name__)
@@ -121,34 +122,24 @@ class Store:
         return int(row[0]) if row and row[0] is not None else 0
 
     # -- job state ---------------------------------------------------------
-    def read_state(self, conn: Connection, job: str) -> JobState | None:
+    def read_state(
+        self, conn: Connection, job: str, *, settings: Mapping[str, str] | None = None
+    ) -> JobState | None:
+        """The job's persisted state; ``settings`` are set for the current
+        transaction in the same round trip (``transaction_read_only``,
+        ``lock_timeout``, ...)."""
+        cfg, params = set_local(settings or {})
         row = execute(
             conn,
             sql.SQL(
-                "select next_attempt_at, failures, last_success_at, last_failure_at, last_error"
-                " from {} where job = %s"
-            ).format(self.table("job_state")),
-            (job,),
+                "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
+                " s.last_failure_at, s.last_error from ({}) cfg left join {} s on s.job = %s"
+            ).format(cfg, self.table("job_state")),
+            [*params, job],
         ).fetchone()
-        if row is None:
+        if row is None or row[0] is None:
             return None
-        return JobState(job, row[0], row[1], row[2], row[3], row[4])
-
-    def record_success(
-        self, conn: Connection, job: str, *, started_at: datetime, next_attempt_at: datetime
-    ) -> None:
-        execute(
-            conn,
-            sql.SQL(
-                "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
-                " last_success_at, updated_at) values (%(job)s, %(next)s, 0, %(started)s,"
-                " %(now)s, %(now)s)"
-                " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
-                " failures = 0, last_started_at = excluded.last_started_at,"
-                " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at"
-            ).format(self.table("job_state")),
-            {"job": job, "next": next_attempt_at, "started": started_at, "now": started_at},
-        )
+        return JobState(job, row[1], row[2], row[3], row[4], row[5])
 
     def record_failure(
         self,
@@ -194,37 +185,56 @@ class Store:
         )
 
     # -- run log -----------------------------------------------------------
-    def insert_run(self, conn: Connection, result: RunResult, worker: str) -> int:
+    def insert_run(
+        self,
+        conn: Connection,
+        result: RunResult,
+        worker: str,
+        *,
+        success_next_attempt: datetime | None = None,
+    ) -> int:
+        """Record ``result`` in the run log. With ``success_next_attempt``, also
+        record a success in ``job_state`` (failures reset), in the same statement."""
         s = result.stats
-        row = execute(
-            conn,
-            sql.SQL(
-                "insert into {} (job, outcome, started_at, finished_at, compute_ms, write_ms,"
-                " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged, items,"
-                " failed_items, error, sqlstate, worker, detail) values (%s, %s, %s, %s, %s, %s, %s,"
-                " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) returning id"
-            ).format(self.table("run")),
-            (
-                result.job,
-                str(result.outcome),
-                result.started_at,
-                result.finished_at,
-                result.compute_seconds * 1000,
-                result.write_seconds * 1000,
-                result.lock_seconds * 1000,
-                s.inserted,
-                s.updated,
-                s.deleted,
-                s.skipped_missing_parent,
-                s.unchanged,
-                result.items,
-                result.failed_items,
-                result.error,
-                result.sqlstate,
-                worker,
-                Jsonb(result.detail, dumps=_dumps) if result.detail else None,
-            ),
-        ).fetchone()
+        params = {
+            "job": result.job,
+            "outcome": str(result.outcome),
+            "started": result.started_at,
+            "finished": result.finished_at,
+            "compute_ms": result.compute_seconds * 1000,
+            "write_ms": result.write_seconds * 1000,
+            "lock_ms": result.lock_seconds * 1000,
+            "inserted": s.inserted,
+            "updated": s.updated,
+            "deleted": s.deleted,
+            "skipped": s.skipped_missing_parent,
+            "unchanged": s.unchanged,
+            "items": result.items,
+            "failed_items": result.failed_items,
+            "error": result.error,
+            "sqlstate": result.sqlstate,
+            "worker": worker,
+            "detail": Jsonb(result.detail, dumps=_dumps) if result.detail else None,
+            "next": success_next_attempt,
+        }
+        insert = sql.SQL(
+            "insert into {} (job, outcome, started_at, finished_at, compute_ms, write_ms,"
+            " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged, items,"
+            " failed_items, error, sqlstate, worker, detail) values (%(job)s, %(outcome)s,"
+            " %(started)s, %(finished)s, %(compute_ms)s, %(write_ms)s, %(lock_ms)s,"
+            " %(inserted)s, %(updated)s, %(deleted)s, %(skipped)s, %(unchanged)s, %(items)s,"
+            " %(failed_items)s, %(error)s, %(sqlstate)s, %(worker)s, %(detail)s) returning id"
+        ).format(self.table("run"))
+        if success_next_attempt is not None:
+            insert = sql.SQL(
+                "with state as (insert into {} as s (job, next_attempt_at, failures,"
+                " last_started_at, last_success_at, updated_at) values (%(job)s, %(next)s, 0,"
+                " %(started)s, %(started)s, %(started)s)"
+                " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
+                " failures = 0, last_started_at = excluded.last_started_at,"
+                " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at) {}"
+            ).format(self.table("job_state"), insert)
+        row = execute(conn, insert, params).fetchone()
         assert row is not None
         return int(row[0])
 
