@@ -443,10 +443,13 @@ class _Worker:
 
     # -- savepoints -------------------------------------------------------------
     def _savepoint(self) -> sql.Identifier:
-        self._savepoints += 1
-        name = sql.Identifier(f"pgjobs_q{self._savepoints}")
+        name = self._next_savepoint()
         self.raw.execute(sql.SQL("savepoint {}").format(name))
         return name
+
+    def _next_savepoint(self) -> sql.Identifier:
+        self._savepoints += 1
+        return sql.Identifier(f"pgjobs_q{self._savepoints}")
 
     def _release(self, name: sql.Identifier) -> None:
         self.raw.execute(sql.SQL("release savepoint {}").format(name))
@@ -456,7 +459,6 @@ class _Worker:
 
     # -- the tick -------------------------------------------------------------------
     def run(self) -> Execution:
-        self._ensure_keys_table()
         items, gone, deferred, unreadable = self._claim()
         self.ctx.report("claim", len(items), None)
         for item, exc in unreadable.items():
@@ -487,19 +489,25 @@ class _Worker:
             },
         )
 
+    _KEYS_SHAPE = (
+        "select array_agg(attname || ':' || atttypid order by attnum) from pg_attribute"
+        " where attrelid = to_regclass('pg_temp.pgjobs_keys') and attnum > 0"
+        " and not attisdropped"
+    )
+
+    def _keys_table_fits(self, row: tuple[Any, ...] | None) -> bool:
+        want = [f"{c}:{self.target.types[c].type_oid}" for c in self.job.scope]
+        return row is not None and row[0] == want
+
     def _ensure_keys_table(self) -> None:
         """``pgjobs_keys`` lives as long as the session (``ON COMMIT DELETE
         ROWS``): creating a temp table per tick costs more catalog writes than
         the rest of a small batch. It is recreated when its columns or their
         types don't match this job's scope."""
-        want = [f"{c}:{self.target.types[c].type_oid}" for c in self.job.scope]
-        row = self.raw.execute(
-            "select array_agg(attname || ':' || atttypid order by attnum) from pg_attribute"
-            " where attrelid = to_regclass('pg_temp.pgjobs_keys') and attnum > 0"
-            " and not attisdropped"
-        ).fetchone()
-        if row is not None and row[0] == want:
-            return
+        if not self._keys_table_fits(self.raw.execute(self._KEYS_SHAPE).fetchone()):
+            self._create_keys_table()
+
+    def _create_keys_table(self) -> None:
         self.raw.execute(
             sql.SQL(
                 "drop table if exists pg_temp.{t}; create temp table {t} on commit delete rows as"
@@ -513,13 +521,39 @@ class _Worker:
         later because a user holds their parent, items whose key doesn't fit)."""
         if not self.item_parents:
             # Nothing to lock first: keys that don't fit fail in _process.
+            self._ensure_keys_table()
             return self._claim_rows(None), [], [], {}
-        sp = self._savepoint()
+        sp = self._next_savepoint()
         try:
-            rows = self.raw.execute(
-                self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
-            )
-            result = rows.fetchall()
+            # One round trip: the keys table's shape, a savepoint and the
+            # claim (which reads the keys table's row type). When the table
+            # is missing or has another shape, the claim's effects (locks
+            # included) are rolled back, the table made, and the claim redone.
+            shape = None
+            try:
+                with self.raw.pipeline():
+                    shape_cur = self.raw.execute(self._KEYS_SHAPE)
+                    self.raw.execute(sql.SQL("savepoint {}").format(sp))
+                    rows = self.raw.execute(
+                        self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
+                    )
+                shape = shape_cur.fetchone()
+                fits = self._keys_table_fits(shape)
+                result = rows.fetchall() if fits else []
+            except psycopg.DatabaseError as exc:
+                if _is_run_level(exc) or shape_cur.pgresult is None:
+                    raise
+                shape = shape_cur.fetchone()
+                if self._keys_table_fits(shape):
+                    raise
+                fits = False
+            if not fits:
+                self._rollback_to(sp)
+                self._create_keys_table()
+                sp = self._savepoint()
+                result = self.raw.execute(
+                    self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
+                ).fetchall()
         except psycopg.DataError:
             # A key that does not convert to the scope's types: claim plainly
             # and find it one by one (rare, so this path may hold the entries
@@ -664,9 +698,9 @@ class _Worker:
 
     # -- 3 + 4 + 5, with per-item isolation ----------------------------------------------
     def _process(self, items: list[str]) -> None:
-        sp = self._savepoint()
+        sp = self._next_savepoint()
         try:
-            self._write(items)
+            self._write(items, sp)
         except Exception as exc:
             if _is_run_level(exc):
                 raise
@@ -695,22 +729,23 @@ class _Worker:
             half = len(items) // 2
             self._process(items[:half])
             self._process(items[half:])
-        else:
-            self._release(sp)
 
-    def _load_keys(self, items: list[str]) -> Keys:
-        # The delete empties what an earlier sub-batch (or anything earlier in
-        # this transaction) left; it does not see the rows inserted beside it.
-        rows = self.raw.execute(
-            sql.SQL(
-                "with gone as (delete from pg_temp.{t}),"
-                " ins as (insert into pg_temp.{t} ({cols}) select distinct t.* from"
-                " unnest(%s::text[]) as i(item), lateral {typed} as t returning {cols})"
-                " select {cols} from ins order by {cols}"
-            ).format(t=self.keys_table, cols=self.scope, typed=self.typed),
-            (items,),
-        ).fetchall()
-        return [tuple(r) for r in rows]
+    def _load_keys(self, items: list[str], savepoint: sql.Identifier) -> Keys:
+        # The savepoint and the load in one round trip. The delete empties
+        # what an earlier sub-batch (or anything earlier in this transaction)
+        # left; it does not see the rows inserted beside it.
+        with self.raw.pipeline():
+            self.raw.execute(sql.SQL("savepoint {}").format(savepoint))
+            cur = self.raw.execute(
+                sql.SQL(
+                    "with gone as (delete from pg_temp.{t}),"
+                    " ins as (insert into pg_temp.{t} ({cols}) select distinct t.* from"
+                    " unnest(%s::text[]) as i(item), lateral {typed} as t returning {cols})"
+                    " select {cols} from ins order by {cols}"
+                ).format(t=self.keys_table, cols=self.scope, typed=self.typed),
+                (items,),
+            )
+        return [tuple(r) for r in cur.fetchall()]
 
     def _params(self, keys: Keys) -> dict[str, Any]:
         params: dict[str, Any] = {"keys": [k[0] for k in keys]}
@@ -718,12 +753,14 @@ class _Worker:
             params[f"keys_{column}"] = [k[n] for k in keys]
         return params
 
-    def _write(self, items: list[str]) -> None:
+    def _write(self, items: list[str], savepoint: sql.Identifier) -> None:
+        """Process ``items`` under ``savepoint`` (taken here, released here
+        unless an error leaves it to the caller to roll back to)."""
         from .diff import Scope, write_diff
         from .staging import stage
 
         b = self.batch
-        keys = self._load_keys(items)
+        keys = self._load_keys(items, savepoint)
         if len(keys) > _ANALYZE_KEYS:
             # Up to this size, the planner's estimate from the table's current
             # size serves joins as well as statistics would, for less.
@@ -753,25 +790,30 @@ class _Worker:
             # the items stay queued, and the next tick finishes them.
             b.kept.extend(items)
             b.rows_deferred += result.deferred
+            self._release(savepoint)
             return
         if self.job.after is not None:
             self.job.after(self.conn, keys, result.stats)
-        self._delete(items)
+        self._delete(items, release=savepoint)
         b.done.extend(items)
 
-    def _delete(self, items: list[str]) -> None:
+    def _delete(self, items: list[str], *, release: sql.Identifier | None = None) -> None:
         # One primary-key probe per entry, then a TID scan: "key = any(...)"
         # may be planned as a scan of the job's whole queue (stale statistics
         # on a table that churns). The entries are locked by this transaction,
         # so their ctid cannot change between the probe and the delete.
-        self.raw.execute(
-            sql.SQL(
-                "delete from {q} where ctid = any(array(select e.ctid"
-                " from unnest(%s::text[]) as i(item), lateral (select q.ctid from {q} as q"
-                " where q.job = %s and q.key = i.item::jsonb limit 1) as e))"
-            ).format(q=self.queue),
-            (items, self.job.name),
-        )
+        # ``release``: a savepoint to release after it, in the same round trip.
+        delete = sql.SQL(
+            "delete from {q} where ctid = any(array(select e.ctid"
+            " from unnest(%s::text[]) as i(item), lateral (select q.ctid from {q} as q"
+            " where q.job = %s and q.key = i.item::jsonb limit 1) as e))"
+        ).format(q=self.queue)
+        if release is None:
+            self.raw.execute(delete, (items, self.job.name))
+            return
+        with self.raw.pipeline():
+            self.raw.execute(delete, (items, self.job.name))
+            self.raw.execute(sql.SQL("release savepoint {}").format(release))
 
     def _record_failures(self) -> int:
         job = self.job

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, event, text
 
 import pgjobs
 from pgjobs.queue import (
@@ -829,3 +829,47 @@ def test_many_failures_stop_isolating_at_a_bound_and_leave_the_rest_for_later(db
     assert set(rows.values()) == {(1, False)}  # each failed once, backing off
     assert derived(db) == [r for r in from_scratch(db) if r[0] % 2 == 0]
     assert ticks > 1
+
+
+@pytest.mark.parametrize("wrong", ["parent_id text", "parent_id bigint", "other int"])
+def test_a_keys_table_of_another_shape_in_the_session_is_replaced_before_the_claim_counts(
+    db_url, db, wrong
+):
+    # Every session of this engine starts with a pgjobs_keys of another shape
+    # (as another job's scope would leave it): the claim, pipelined with the
+    # shape check, must be undone and redone on a table of the right shape.
+    engine = create_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def wrong_keys_table(dbapi_connection, record):
+        dbapi_connection.execute(f"create temp table pgjobs_keys ({wrong})")
+        dbapi_connection.commit()
+
+    try:
+        add_parents(db, [1, 2, 3])
+        job = make_job()
+        push(db, job, [1, 2, 3])
+        with pgjobs.Runner(engine) as runner:
+            result = runner.tick(job, force=True)
+        assert result.outcome == "ran", result.error
+        assert result.items == 3 and result.detail["claimed"] == 3
+        assert derived(db) == from_scratch(db)
+        assert queue_rows(db) == []
+    finally:
+        engine.dispose()
+
+
+def test_the_claim_reads_due_entries_in_key_order_without_sorting_the_queue(db):
+    job = make_job()
+    push(db, job, range(5000))  # no ANALYZE since: the planner knows nothing of them
+    with db.connect() as conn:
+        plan = "\n".join(
+            conn.execute(
+                text(
+                    "explain select key from pgjobs.queue where job = :j and dead_at is null"
+                    " and not_before <= now() order by key limit 100"
+                ),
+                {"j": job.name},
+            ).scalars()
+        )
+    assert "queue_claim_idx" in plan and "Sort" not in plan, plan
