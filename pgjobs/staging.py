@@ -38,6 +38,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import FromClause, Select, SelectBase
+from sqlalchemy.sql.sqltypes import NullType
 
 from ._pg import driver, execute
 from .errors import ConfigError, JobError
@@ -147,6 +148,12 @@ def stage(
 def _stage_session(
     conn: Connection, target: Target, source: object, params: Mapping[str, Any] | None
 ) -> Staged:
+    if isinstance(source, str):
+        clause = text(_strip(source))
+        plain = _plain_sql(conn, clause)
+        if plain is not None:
+            name, columns, rows = _stage_plain(conn, target, plain, _bind(clause, params))
+            return _session_staged(conn, target, name, columns, rows)
     if isinstance(source, str | TextClause):
         clause = text(_strip(source)) if isinstance(source, str) else source
         names = _query_names(conn, clause, params)
@@ -172,6 +179,12 @@ def _stage_session(
             f"target {target.label}: compute returned {type(source).__name__}; expected SQL "
             f"text, a SQLAlchemy selectable or an iterable of rows"
         )
+    return _session_staged(conn, target, name, columns, rows)
+
+
+def _session_staged(
+    conn: Connection, target: Target, name: str, columns: tuple[str, ...], rows: int
+) -> Staged:
     ident = sql.Identifier(name)
     if rows >= ANALYZE_ROWS:
         execute(
@@ -197,29 +210,91 @@ def _prepare_session(conn: Connection, target: Target, columns: Sequence[str]) -
     yet (idempotent DDL: a savepoint rolled back may have taken it away), and
     empty it; one round trip."""
     name = session_name(target, "stage", columns)
+    execute(conn, sql.SQL("; ").join(_prepare_statements(target, name, columns)))
+    return name
+
+
+def _prepare_statements(target: Target, name: str, columns: Sequence[str]) -> list[sql.Composed]:
     ident = sql.Identifier(name)
     key = sql.SQL(", ").join(map(sql.Identifier, target.key))
-    execute(
-        conn,
+    return [
         sql.SQL(
             "create temp table if not exists {t} on commit delete rows as"
-            " select {cols} from {target} with no data;"
-            " create unique index if not exists {ix} on {t} ({key});"
-            " alter table {t} {not_null};"
-            " delete from {t}"
+            " select {cols} from {target} with no data"
         ).format(
+            t=ident, cols=sql.SQL(", ").join(map(sql.Identifier, columns)), target=target.ident
+        ),
+        sql.SQL("create unique index if not exists {ix} on {t} ({key})").format(
+            ix=sql.Identifier(name + "_key"), t=ident, key=key
+        ),
+        sql.SQL("alter table {t} {not_null}").format(
             t=ident,
-            cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
-            target=target.ident,
-            ix=sql.Identifier(name + "_key"),
-            key=key,
             not_null=sql.SQL(", ").join(
                 sql.SQL("alter column {} set not null").format(sql.Identifier(k))
                 for k in target.key
             ),
         ),
+        sql.SQL("delete from {}").format(ident),
+    ]
+
+
+#: SQL text -> the text compiled for psycopg (``%(name)s`` binds, ``%``
+#: doubled), or None when it needs SQLAlchemy to run; bounded
+_plain_cache: dict[tuple[str, str], str | None] = {}
+_PLAIN_CACHE_SIZE = 256
+
+
+def _plain_sql(conn: Connection, clause: TextClause) -> str | None:
+    """``clause`` compiled once for psycopg, when its binds need nothing from
+    SQLAlchemy (untyped, not expanding, names psycopg takes as they are):
+    SQL text computes then run on the driver connection, without
+    SQLAlchemy's per-statement work (most of a small batch's Python time)."""
+    cache_key = (conn.dialect.name + ":" + conn.dialect.paramstyle, clause.text)
+    try:
+        return _plain_cache[cache_key]
+    except KeyError:
+        pass
+    plain: str | None = None
+    if conn.dialect.paramstyle == "pyformat" and all(
+        isinstance(b.type, NullType) and not b.expanding for b in clause._bindparams.values()
+    ):
+        compiled = clause.compile(dialect=conn.dialect)
+        if (
+            not compiled.positional
+            and not compiled.escaped_bind_names
+            and "POSTCOMPILE" not in compiled.string
+        ):
+            plain = compiled.string
+    if len(_plain_cache) >= _PLAIN_CACHE_SIZE:
+        _plain_cache.clear()
+    _plain_cache[cache_key] = plain
+    return plain
+
+
+def _stage_plain(
+    conn: Connection, target: Target, query: str, params: dict[str, Any]
+) -> tuple[str, tuple[str, ...], int]:
+    """Stage compiled SQL text on the driver connection: its column names
+    (planned with LIMIT 0, no row computed), then the stage table's
+    preparation and the ``INSERT ... SELECT`` in one round trip."""
+    raw = driver(conn)
+    probe = raw.execute(
+        sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query)), params
     )
-    return name
+    names = tuple(d.name for d in probe.description or ())
+    columns = _check_columns(target, names, "the new rows' SQL")
+    name = session_name(target, "stage", columns)
+    # INSERT INTO stage (the query's columns, in its order) <the query>, with
+    # no subquery around it: an untyped NULL or literal then takes the
+    # column's type, as it would in an INSERT the user wrote.
+    insert_sql = sql.SQL("insert into {} ({}) {}").format(
+        sql.Identifier(name), sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
+    )
+    with _key_errors(target), raw.pipeline():
+        for statement in _prepare_statements(target, name, columns):
+            raw.execute(statement)
+        inserted = raw.execute(insert_sql, params)
+    return name, columns, max(inserted.rowcount, 0)
 
 
 @contextmanager

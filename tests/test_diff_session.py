@@ -120,6 +120,32 @@ def test_session_stage_refuses_repeated_and_null_keys(engine):
             assert count == 2
 
 
+def test_session_stage_of_sql_text_binds_escapes_and_refuses_repeated_keys(engine):
+    # SQL text runs compiled on the driver connection: binds, a literal %,
+    # an escaped colon and an untyped NULL behave as through SQLAlchemy, and
+    # the key's errors are the same JobErrors.
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn:
+        with conn.begin():
+            target = reflect_target(conn, "derived")
+        with conn.begin(), pytest.raises(pgjobs.JobError, match="repeat the diff key"):
+            stage(conn, target, "select 1 as parent_id, 1 as n union all select 1, 1", session=True)
+        with conn.begin():
+            staged = stage(
+                conn,
+                target,
+                "select k as parent_id, k % 3 as n, null as v from unnest(:keys) as k"
+                " where 'a\\:b' = concat('a', chr(58), 'b')",
+                params={"keys": [4, 5], "unused": 1},
+                session=True,
+            )
+            assert staged.columns == ("parent_id", "n", "v") and staged.rows == 2
+            got = conn.exec_driver_sql(
+                f"select * from {staged.table.as_string(None)} order by 1"
+            ).all()
+            assert [tuple(r) for r in got] == [(4, 1, None), (5, 2, None)]
+
+
 def test_reflection_is_cached_until_the_definition_changes(engine):
     run_sql(engine, SCHEMA)
     with engine.connect() as conn:
