@@ -1,6 +1,7 @@
 """The diff writer under real concurrency: several connections, real
-transactions, ordered with events (never sleeps), row locks read with the
-``pgrowlocks`` extension and ``pg_locks``.
+transactions, ordered with events (never sleeps), row locks found by
+another transaction trying to lock every row (``FOR UPDATE SKIP LOCKED``,
+which conflicts with every row-lock mode) and relation locks in ``pg_locks``.
 
 * a parent deleted and committed between compute and write: its rows are
   skipped, no 23503;
@@ -24,6 +25,7 @@ from collections import Counter
 
 import psycopg
 import pytest
+from psycopg import sql
 from sqlalchemy import text
 
 import pgjobs
@@ -33,7 +35,6 @@ PARENTS = 40
 PER_PARENT = 5
 
 SCHEMA = f"""
-create extension if not exists pgrowlocks;
 create table parent (id int primary key, name text);
 create table source (id int primary key, parent_id int not null references parent on delete cascade,
                      v int not null);
@@ -64,21 +65,21 @@ def rows_now(db_url: str, statement: str) -> list[tuple]:
         return [tuple(r) for r in pg.execute(statement)]
 
 
-def recompute_locks(db_url: str, pid: int, others: tuple[int, ...] = ()) -> dict[str, list]:
-    """Row locks on the target and the parents (pgrowlocks: every live locker
-    but the ``others`` backends — the recompute is the only other transaction
-    open in these tests, and a lock taken under a savepoint carries a
-    subtransaction xid that pgrowlocks cannot map to a pid) and ``pid``'s
-    relation locks on them (pg_locks)."""
+def recompute_locks(db_url: str, pid: int) -> dict[str, object]:
+    """How many rows of the target and of the parents some transaction holds
+    locked, in any mode (another transaction tries to lock every row ``FOR
+    UPDATE SKIP LOCKED``, which conflicts with every row-lock mode, and counts
+    what it had to skip), and ``pid``'s relation locks on them (pg_locks)."""
     with pg_connect(db_url, autocommit=True) as pg:
-        rows = [
-            (rel, *r)
+        rows = {
+            rel: pg.execute(
+                sql.SQL(
+                    "select (select count(*) from {rel})"
+                    " - (select count(*) from (select from {rel} for update skip locked) free)"
+                ).format(rel=sql.Identifier(rel))
+            ).fetchone()[0]
             for rel in ("parent", "derived")
-            for r in pg.execute(
-                f"select locked_row::text, modes from pgrowlocks('{rel}') where not pids && %s::int[]",
-                (list(others),),
-            )
-        ]
+        }
         rel_locks = pg.execute(
             "select relation::regclass::text, mode from pg_locks where pid = %s"
             " and locktype = 'relation' and relation in ('parent'::regclass, 'derived'::regclass)",
@@ -162,8 +163,8 @@ def test_slow_compute_holds_no_row_locks_while_users_delete_parents(engine, db):
     locks_in_write: list[dict] = []
 
     def progress(phase, done, total):
-        # positive control: after the writes, before commit, pgrowlocks does
-        # show this transaction's parent locks
+        # positive control: after the writes, before commit, the probe does
+        # see this transaction's row locks
         if phase == "write":
             locks_in_write.append(recompute_locks(db, pid[0]))
 
@@ -192,18 +193,14 @@ def test_slow_compute_holds_no_row_locks_while_users_delete_parents(engine, db):
     finally:
         deletes_done.set()
         thread.join(60)
-    assert seen == [{"rows": [], "relations": []}] * (len(victims) + 1)
+    assert seen == [{"rows": {"parent": 0, "derived": 0}, "relations": []}] * (len(victims) + 1)
     (result,) = results
     assert result.outcome == "ran", result.error
     assert result.stats.skipped_missing_parent == 20 * PER_PARENT
     assert result.stats.updated == (PARENTS - 20) * PER_PARENT
     assert rows_now(db, "select count(distinct parent_id) from derived") == [(PARENTS - 20,)]
     (during_write,) = locks_in_write
-    held = Counter((rel, tuple(modes)) for rel, _row, modes in during_write["rows"])
-    assert held == {
-        ("parent", ("For Key Share",)): PARENTS - 20,
-        ("derived", ("No Key Update",)): (PARENTS - 20) * PER_PARENT,
-    }
+    assert during_write["rows"] == {"parent": PARENTS - 20, "derived": (PARENTS - 20) * PER_PARENT}
     assert ("parent", "RowShareLock") in during_write["relations"]
     assert ("derived", "RowExclusiveLock") in during_write["relations"]
 
@@ -232,8 +229,9 @@ def test_busy_parent_is_waited_for_holding_nothing(engine, db):
         thread = threading.Thread(target=run)
         thread.start()
         wait_until(lambda: bool(pid) and waiting_for_lock(db, pid[0]), what="the writer to wait")
-        # waiting, and holding no row lock at all
-        assert recompute_locks(db, pid[0], others=(user.info.backend_pid,))["rows"] == []
+        # waiting, and holding no row lock at all: the only locked rows are the
+        # user's (parent 7 and the derived rows its cascade deleted)
+        assert recompute_locks(db, pid[0])["rows"] == {"parent": 1, "derived": PER_PARENT}
         started = time.perf_counter()
         user.execute("delete from parent where id = 2")  # another parent, "out of order"
         assert time.perf_counter() - started < 5
