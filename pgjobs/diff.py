@@ -130,8 +130,17 @@ class Scope:
     #: how many rows ``keys`` holds, when the caller knows: a small scope
     #: (under 1,000 keys) is read from the target by one index probe per key
     rows: int | None = None
+    #: the caller already holds, in this transaction, ``FOR KEY SHARE`` on
+    #: the row of every parent whose columns are all scope columns, for every
+    #: key in ``keys`` (a queue job locks its items' parents when it claims
+    #: them): those parents are not locked again. Every row a scoped diff
+    #: writes lies within its scope, so each parent key such a row needs is
+    #: one of those held.
+    parents_locked: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.parents_locked, bool):
+            raise ConfigError(f"Scope.parents_locked: expected a bool, got {self.parents_locked!r}")
         if not self.columns or not all(isinstance(c, str) and c for c in self.columns):
             raise ConfigError(f"Scope.columns: expected column names, got {self.columns!r}")
         if not isinstance(self.keys, sql.Identifier):
@@ -761,7 +770,7 @@ def _lock_pass(
     out: list[tuple[int, int]] = []
     for i, p in enumerate(plan.parents):
         n = [f"n{j}" for j in range(len(p.columns))]
-        if needs[i] == 0:
+        if needs[i] == 0 or _held(plan, p):
             out.append((0, 0))
             continue
         # Key order: with SKIP LOCKED it cannot matter for deadlocks, but it is
@@ -797,6 +806,18 @@ def _lock_pass(
         busy = _count(conn, sql.SQL("select count(*) from {} where busy").format(plan.gone[i]))
         out.append((needs[i] - got, busy))
     return out
+
+
+def _held(plan: _Plan, parent: ParentRef) -> bool:
+    """Does the caller hold this parent's needed rows already (see
+    :attr:`Scope.parents_locked`)?"""
+    scope = plan.scope
+    return (
+        scope is not None
+        and scope.parents_locked
+        and bool(parent.columns)
+        and set(parent.columns) <= set(scope.columns)
+    )
 
 
 def _lock_statement(conn: Connection, plan: _Plan, i: int, n: list[str]) -> int:

@@ -779,7 +779,14 @@ class _Worker:
             self.conn,
             self.target,
             staged,
-            scope=Scope(columns=self.job.scope, keys=self.keys_table, rows=len(keys)),
+            # The claim locked every item's item parents FOR KEY SHARE (in
+            # its savepoint, which no isolation rolls back): not again.
+            scope=Scope(
+                columns=self.job.scope,
+                keys=self.keys_table,
+                rows=len(keys),
+                parents_locked=True,
+            ),
             wait_busy=False,
         )
         b.write_seconds += result.write_seconds

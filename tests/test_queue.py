@@ -873,3 +873,30 @@ def test_the_claim_reads_due_entries_in_key_order_without_sorting_the_queue(db):
             ).scalars()
         )
     assert "queue_claim_idx" in plan and "Sort" not in plan, plan
+
+
+def test_the_items_parents_stay_locked_from_the_claim_through_the_write(db, db_url):
+    # The writer does not lock the items' parents again (the claim holds
+    # them): they must still be held while the rows are written and `after`
+    # runs, so that no user can delete or re-key them meanwhile.
+    add_parents(db, [1, 2])
+    held: dict[int, bool] = {}
+
+    def after(conn, keys, stats):
+        with psycopg.connect(db_url.replace("postgresql+psycopg://", "postgresql://")) as other:
+            for pid in (1, 2):
+                try:
+                    other.execute("select from parent where id = %s for update nowait", (pid,))
+                except psycopg.errors.LockNotAvailable:
+                    held[pid] = True
+                else:
+                    held[pid] = False
+                other.rollback()
+
+    job = make_job(after=after)
+    push(db, job, [1])
+    with pgjobs.Runner(db) as runner:
+        result = runner.tick(job, force=True)
+    assert result.outcome == "ran" and result.items == 1, queue_rows(db)
+    assert held == {1: True, 2: False}
+    assert derived(db) == from_scratch(db, 1)
