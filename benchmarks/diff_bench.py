@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from sqlalchemy import create_engine
 
 import pgjobs
@@ -189,7 +190,7 @@ def reset(dsn: str, matview: bool = False) -> None:
         if matview:
             pg.execute("refresh materialized view derived_mv")
         for table in ("parent", "source", "derived", "derived_mv"):
-            pg.execute(f"vacuum analyze {table}")
+            pg.execute(sql.SQL("vacuum analyze {}").format(sql.Identifier(table)))
         pg.execute("checkpoint")
 
 
