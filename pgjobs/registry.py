@@ -391,9 +391,8 @@ def _same_table(a: Job, b: Job) -> bool:
 
 
 def _check_job(conn: Connection, entry: Registered) -> None:
-    from sqlalchemy import text
 
-    from .staging import _probe_columns, _strip
+    from .staging import check_sql
     from .target import reflect_target
 
     job = entry.job
@@ -415,7 +414,7 @@ def _check_job(conn: Connection, entry: Registered) -> None:
         field = "sql" if entry.config is not None else "compute"
         try:
             with conn.begin_nested():
-                _probe_columns(conn, target, text(_strip(job.compute)), None)
+                check_sql(conn, target, job.compute)
         except ConfigError as exc:
             raise ConfigError(f"{entry.key(field)}: {exc}") from None
         except Exception as exc:

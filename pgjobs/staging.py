@@ -351,13 +351,13 @@ def _query_names(
     return tuple(conn.execute(probe, _bind(clause, params)).keys())
 
 
-def _probe_columns(
-    conn: Connection, target: Target, clause: TextClause, params: Mapping[str, Any] | None
-) -> tuple[str, ...]:
-    """Plan ``clause`` (LIMIT 0, no row computed) and check its columns against
-    ``target`` as :func:`stage` will; returns the staged columns. (Used by the
-    registry to validate config-declared SQL before any run.)"""
-    return _check_columns(target, _query_names(conn, clause, params), "the new rows' SQL")
+def check_sql(conn: Connection, target: Target, query: str) -> tuple[str, ...]:
+    """Plan the SQL text ``query`` (LIMIT 0, no row computed) and check its
+    columns against ``target`` as :func:`stage` will; returns the staged
+    columns. The registry validates config-declared SQL with it before any run."""
+    return _check_columns(
+        target, _query_names(conn, text(_strip(query)), None), "the new rows' SQL"
+    )
 
 
 def _insert_select(
