@@ -308,8 +308,3 @@ class QueueJob(_DiffJob):
         from .queue import run_queue
 
         return run_queue(conn, self, ctx)
-
-
-def job_kinds() -> dict[str, type[Job]]:
-    """Job classes by their ``kind`` (used by config files)."""
-    return {cls.kind: cls for cls in (RecomputeJob, QueueJob, TaskJob)}

@@ -174,16 +174,6 @@ class Store:
             },
         )
 
-    def reset(self, conn: Connection, job: str) -> None:
-        """Forget a job's backoff (``pgjobs once --force`` and tests)."""
-        execute(
-            conn,
-            sql.SQL("update {} set next_attempt_at = null, failures = 0 where job = %s").format(
-                self.table("job_state")
-            ),
-            (job,),
-        )
-
     # -- run log -----------------------------------------------------------
     def insert_run(
         self,
@@ -246,15 +236,3 @@ class Store:
             (now - keep,),
         )
         return cur.rowcount
-
-    def recent_runs(
-        self, conn: Connection, job: str | None = None, limit: int = 50
-    ) -> list[dict[str, Any]]:
-        query = sql.SQL(
-            "select id, job, outcome, started_at, finished_at, compute_ms, write_ms, lock_ms,"
-            " inserted, updated, deleted, skipped_missing_parent, unchanged, items, failed_items,"
-            " error, sqlstate, worker, detail from {} {} order by started_at desc, id desc limit %s"
-        ).format(self.table("run"), sql.SQL("where job = %s") if job else sql.SQL(""))
-        cur = execute(conn, query, (job, limit) if job else (limit,))
-        names = [d.name for d in cur.description or ()]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
