@@ -30,8 +30,15 @@ told apart (naive deletes before it computes).
     python benchmarks/diff_bench.py --quick      # 10k rows, a smoke run
     python benchmarks/diff_bench.py --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
-Prints a table and writes JSON to benchmarks/results/. Not a test: pytest
-never runs it.
+Each (size, change rate) is measured ``--repeat`` times (3 by default), the
+methods interleaved round by round, and the table shows for each method the
+run whose total is the median, with the range of totals beside it: on a
+shared 2-core machine one run of anything varies by up to 2x (a pure
+Python loop does), and a single run decides nothing. The targets are
+checked against those median runs.
+
+Prints a table and writes JSON (every run, and the median ones) to
+benchmarks/results/. Not a test: pytest never runs it.
 """
 
 from __future__ import annotations
@@ -101,6 +108,9 @@ class Run:
     delete_max_ms: float | None = None
     delete_errors: dict[str, int] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
+    round: int = 0
+    #: min and max total over the rounds (set on the median run)
+    total_range: tuple[float, float] | None = None
 
 
 def plain(url: str) -> str:
@@ -189,7 +199,7 @@ def reset(dsn: str, matview: bool = False) -> None:
         pg.execute("insert into derived select * from derived_base")
         if matview:
             pg.execute("refresh materialized view derived_mv")
-        for table in ("parent", "source", "derived", "derived_mv"):
+        for table in ("parent", "source", "derived", "derived_mv", "bench_gen"):
             pg.execute(sql.SQL("vacuum analyze {}").format(sql.Identifier(table)))
         pg.execute("checkpoint")
 
@@ -336,12 +346,12 @@ SQL_METHODS: dict[str, Callable[[psycopg.Connection[Any], Run], None]] = {
 
 # -- driver ---------------------------------------------------------------------------------
 def measure(
-    url: str, parents: list[int], rows: int, pct: int, method: str, chunk_parents: int
+    url: str, parents: list[int], rows: int, pct: int, method: str, chunk_parents: int, rnd: int
 ) -> Run:
     dsn = plain(url)
     reset(dsn, matview=method == "matview")
     set_generation(dsn, pct)
-    run = Run(rows=rows, pct=pct, method=method)
+    run = Run(rows=rows, pct=pct, method=method, round=rnd)
     with Deleter(dsn, parents) as deleter:
         if method == "pgjobs":
             run_pgjobs(url, run)
@@ -364,10 +374,26 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def medians(runs: list[Run]) -> list[Run]:
+    """Per (size, change rate, method), the run whose total is the median of
+    its rounds (the lower one of an even count), with the range of totals."""
+    groups: dict[tuple[int, int, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.rows, r.pct, r.method), []).append(r)
+    out = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda r: r.total)
+        median = ordered[(len(ordered) - 1) // 2]
+        median.total_range = (ordered[0].total, ordered[-1].total)
+        out.append(median)
+    return out
+
+
 def print_table(runs: list[Run], header: bool = True, file: Any = None) -> None:
     title = (
-        f"{'rows':>7} {'chg':>4} {'method':<15} {'ok':<4} {'total s':>8} {'compute':>8} "
-        f"{'write':>8} {'locks':>8} {'dels':>5} {'p50 ms':>7} {'p99 ms':>8} {'max ms':>8}  errors"
+        f"{'rows':>7} {'chg':>4} {'method':<15} {'ok':<4} {'total s':>8} {'min-max':>13} "
+        f"{'compute':>8} {'write':>8} {'locks':>8} {'dels':>5} {'p50 ms':>7} {'p99 ms':>8} "
+        f"{'max ms':>8}  errors"
     )
     if header:
         print(title, file=file)
@@ -379,9 +405,10 @@ def print_table(runs: list[Run], header: bool = True, file: Any = None) -> None:
                 *(f"user {k}x{v}" for k, v in r.delete_errors.items()),
             ]
         )
+        spread = "-" if r.total_range is None else "{:.3f}-{:.3f}".format(*r.total_range)
         print(
             f"{r.rows:>7} {r.pct:>3}% {r.method:<15} {'yes' if r.ok else 'NO':<4} {fmt(r.total):>8} "
-            f"{fmt(r.compute):>8} {fmt(r.write):>8} {fmt(r.locks):>8} {r.deletes:>5} "
+            f"{spread:>13} {fmt(r.compute):>8} {fmt(r.write):>8} {fmt(r.locks):>8} {r.deletes:>5} "
             f"{fmt(r.delete_p50_ms, digits=1):>7} {fmt(r.delete_p99_ms, digits=1):>8} "
             f"{fmt(r.delete_max_ms, digits=1):>8}  {errors}",
             file=file,
@@ -389,7 +416,7 @@ def print_table(runs: list[Run], header: bool = True, file: Any = None) -> None:
 
 
 def check_targets(runs: list[Run]) -> list[str]:
-    """The issue's targets, checked against this run's figures."""
+    """The issue's targets, checked against the median runs."""
     by = {(r.rows, r.pct, r.method): r for r in runs}
     lines = []
 
@@ -451,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-parents", type=int, default=1000, help="pgjobs-chunked: parents per chunk"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="rounds per size and change rate (default 3)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     if not args.dsn:
@@ -468,13 +498,21 @@ def main(argv: list[str] | None = None) -> int:
                 methods = list(args.methods)
                 if pct == 100 and rows == max(sizes) and "pgjobs" in methods:
                     methods.insert(methods.index("pgjobs") + 1, "pgjobs-chunked")
-                for method in methods:
-                    print(f"... {rows} rows, {pct} %, {method}", file=sys.stderr, flush=True)
-                    runs.append(measure(url, parents, rows, pct, method, args.chunk_parents))
-                    print_table(runs[-1:], header=False, file=sys.stderr)
+                for rnd in range(args.repeat):
+                    for method in methods:
+                        print(
+                            f"... {rows} rows, {pct} %, {method}, round {rnd + 1}/{args.repeat}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        run = measure(url, parents, rows, pct, method, args.chunk_parents, rnd)
+                        runs.append(run)
+                        print_table([run], header=False, file=sys.stderr)
+    summary = medians(runs)
     print()
-    print_table(runs)
-    targets = check_targets(runs)
+    print(f"median of {args.repeat} round(s) per row")
+    print_table(summary)
+    targets = check_targets(summary)
     if targets:
         print()
         print("\n".join(targets))
@@ -488,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                 "server_version": server,
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
                 "delete_every_s": DELETE_EVERY,
+                "repeat": args.repeat,
                 "runs": [asdict(r) for r in runs],
+                "medians": [asdict(r) for r in summary],
                 "targets": targets,
             },
             indent=2,
