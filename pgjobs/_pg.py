@@ -63,3 +63,38 @@ def sqlstate_of(exc: BaseException | None) -> str | None:
                 return state
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+#: The statistics target pgjobs analyzes its own temp tables with. ANALYZE
+#: samples 300 rows per unit of target: 3,000 rows here against 30,000 at
+#: the server's default of 100. The tables are freshly loaded, and what their
+#: plans need is their size, which columns are unique and the few values of
+#: ``op``; at 50,000 staged rows that ANALYZE took 19 ms at the default
+#: target and 3 ms at this one.
+TEMP_STATISTICS_TARGET = 10
+
+
+def analyze_statements(table: sql.Identifier, columns: Sequence[str] = ()) -> list[sql.SQL | sql.Composed]:
+    """``ANALYZE table (columns)`` with :data:`TEMP_STATISTICS_TARGET`, the
+    caller's ``default_statistics_target`` restored after it: three
+    statements without parameters (for a pipeline)."""
+    cols: sql.Composable = sql.SQL("")
+    if columns:
+        cols = sql.SQL(" ({})").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
+    return [
+        sql.SQL(
+            "select set_config('pgjobs.statistics_target',"
+            " current_setting('default_statistics_target'), true),"
+            " set_config('default_statistics_target', {}, true)"
+        ).format(sql.Literal(str(TEMP_STATISTICS_TARGET))),
+        sql.SQL("analyze {}{}").format(table, cols),
+        sql.SQL(
+            "select set_config('default_statistics_target',"
+            " current_setting('pgjobs.statistics_target'), true)"
+        ),
+    ]
+
+
+def analyze(table: sql.Identifier, columns: Sequence[str] = ()) -> sql.Composed:
+    """:func:`analyze_statements` as one string, to send in one round trip."""
+    return sql.SQL("; ").join(analyze_statements(table, columns))

@@ -97,7 +97,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import Params, driver
+from ._pg import Params, analyze, driver
 from ._pg import execute as _execute
 from .errors import ConfigError, JobError
 from .results import DiffStats, Execution
@@ -362,7 +362,7 @@ def _create_sql(plan: _Plan, ident: sql.Identifier, body: sql.Composable) -> sql
 
 def _analyze(conn: Connection, *idents: sql.Identifier) -> None:
     for ident in idents:
-        execute(conn, sql.SQL("analyze {}").format(ident))
+        execute(conn, analyze(ident))
 
 
 def _analyze_derived(conn: Connection, plan: _Plan, *idents: sql.Identifier) -> None:
@@ -478,12 +478,9 @@ def _build_diff(
         # keyed plans): ANALYZE costs more than it saves there.
         plan.analyzed = rows >= ANALYZE_ROWS
         if plan.analyzed:
-            _defer(
-                conn,
-                sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
-            )
+            _defer(conn, analyze(plan.d, list(dict.fromkeys(analyzed))))
             for ident in plan.need:
-                _defer(conn, sql.SQL("analyze {}").format(ident))
+                _defer(conn, analyze(ident))
         assert counted is not None
         return _counted(plan, counted[0])
     else:
@@ -495,10 +492,7 @@ def _build_diff(
             execute(conn, sql.SQL("create index on {} (chunk)").format(plan.d))
         if plan.self_ref is not None:
             execute(conn, sql.SQL("create index on {} ({})").format(plan.d, _ids(plan.kc())))
-    _defer(
-        conn,
-        sql.SQL("analyze {} ({})").format(plan.d, _ids(list(dict.fromkeys(analyzed)))),
-    )
+    _defer(conn, analyze(plan.d, list(dict.fromkeys(analyzed))))
     row = execute(conn, _counts_sql(plan, outside)).fetchone()
     assert row is not None
     return _counted(plan, row)
@@ -705,7 +699,7 @@ def _fill_need(conn: Connection, plan: _Plan, i: int, chunk: int | None) -> int:
     # insert's row count is its size
     count = execute(conn, _need_sql(plan, i, chunk)).rowcount
     if plan.analyzed:
-        _defer(conn, sql.SQL("analyze {}").format(plan.need[i]))
+        _defer(conn, analyze(plan.need[i]))
     return int(count)
 
 

@@ -82,7 +82,7 @@ import psycopg
 from psycopg import errors, sql
 from sqlalchemy.engine import Connection
 
-from ._pg import driver, qualified, sqlstate_of
+from ._pg import analyze, driver, qualified, sqlstate_of
 from .errors import ConfigError, PgJobsError
 from .jobs import Keys, QueueJob
 from .results import DiffStats, Execution
@@ -764,7 +764,7 @@ class _Worker:
         if len(keys) > _ANALYZE_KEYS:
             # Up to this size, the planner's estimate from the table's current
             # size serves joins as well as statistics would, for less.
-            self.raw.execute(sql.SQL("analyze pg_temp.{}").format(self.keys_table))
+            self.raw.execute(analyze(sql.Identifier("pg_temp", KEYS_TABLE)))
         started = time.perf_counter()
         compute = self.job.compute
         source = compute if isinstance(compute, str) else compute(self.conn, keys)

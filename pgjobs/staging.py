@@ -40,7 +40,7 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import FromClause, Select, SelectBase
 from sqlalchemy.sql.sqltypes import NullType
 
-from ._pg import driver, execute
+from ._pg import analyze, analyze_statements, driver, execute
 from .errors import ConfigError, JobError
 from .target import Target
 
@@ -109,6 +109,14 @@ def stage(
         return _stage_session(conn, target, source, params)
     name = name or temp_name("stage")
     ident = sql.Identifier(name)
+    if isinstance(source, str):
+        clause = text(_strip(source))
+        plain = _plain_sql(conn, clause)
+        if plain is not None:
+            columns, rows = _stage_plain_temp(
+                conn, target, plain, _bind(clause, params), ident, preserve
+            )
+            return Staged(table=ident, name=name, columns=columns, rows=rows, preserve=preserve)
     if isinstance(source, str | TextClause):
         clause = text(_strip(source)) if isinstance(source, str) else source
         names = _query_names(conn, clause, params)
@@ -136,12 +144,7 @@ def stage(
     _add_key(conn, target, ident)
     # Statistics for the columns plans join on (the key); the values are only
     # compared, never joined or filtered on, and sampling them costs time.
-    execute(
-        conn,
-        sql.SQL("analyze {} ({})").format(
-            ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
-        ),
-    )
+    execute(conn, analyze(ident, target.key))
     return Staged(table=ident, name=name, columns=columns, rows=rows, preserve=preserve)
 
 
@@ -187,12 +190,7 @@ def _session_staged(
 ) -> Staged:
     ident = sql.Identifier(name)
     if rows >= ANALYZE_ROWS:
-        execute(
-            conn,
-            sql.SQL("analyze {} ({})").format(
-                ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
-            ),
-        )
+        execute(conn, analyze(ident, target.key))
     return Staged(table=ident, name=name, columns=columns, rows=rows)
 
 
@@ -295,6 +293,36 @@ def _stage_plain(
             raw.execute(statement)
         inserted = raw.execute(insert_sql, params)
     return name, columns, max(inserted.rowcount, 0)
+
+
+def _stage_plain_temp(
+    conn: Connection,
+    target: Target,
+    query: str,
+    params: dict[str, Any],
+    ident: sql.Identifier,
+    preserve: bool,
+) -> tuple[tuple[str, ...], int]:
+    """:func:`stage` of compiled SQL text into a new temp table on the driver
+    connection: its column names (planned with LIMIT 0), then the table, the
+    load, the key and ``ANALYZE`` in one round trip. A repeated or NULL key
+    fails the transaction (nothing is written before a stage)."""
+    raw = driver(conn)
+    probe = raw.execute(
+        sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query)), params
+    )
+    names = tuple(d.name for d in probe.description or ())
+    columns = _check_columns(target, names, "the new rows' SQL")
+    insert_sql = sql.SQL("insert into {} ({}) {}").format(
+        ident, sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
+    )
+    with _key_errors(target), raw.pipeline():
+        raw.execute(_create_sql(target, ident, columns, preserve))
+        inserted = raw.execute(insert_sql, params)
+        raw.execute(_add_key_sql(target, ident))
+        for statement in analyze_statements(ident, target.key):
+            raw.execute(statement)
+    return columns, max(inserted.rowcount, 0)
 
 
 @contextmanager
@@ -536,29 +564,33 @@ def _create(
     # Copying the target's own column types (CREATE TABLE AS ... WITH NO DATA
     # plans but reads nothing) means every comparison later is type for type,
     # with no type name ever spelled out in SQL.
-    execute(
-        conn,
-        sql.SQL("create temp table {} on commit {} as select {} from {} with no data").format(
-            ident,
-            sql.SQL("preserve rows" if preserve else "drop"),
-            sql.SQL(", ").join(map(sql.Identifier, columns)),
-            target.ident,
-        ),
+    execute(conn, _create_sql(target, ident, columns, preserve))
+
+
+def _create_sql(
+    target: Target, ident: sql.Identifier, columns: Sequence[str], preserve: bool
+) -> sql.Composed:
+    return sql.SQL("create temp table {} on commit {} as select {} from {} with no data").format(
+        ident,
+        sql.SQL("preserve rows" if preserve else "drop"),
+        sql.SQL(", ").join(map(sql.Identifier, columns)),
+        target.ident,
+    )
+
+
+def _add_key_sql(target: Target, ident: sql.Identifier) -> sql.Composed:
+    # The primary key is built after the load (one sorted build is cheaper
+    # than maintaining the index row by row) and is what rejects duplicates.
+    return sql.SQL("alter table {} add primary key ({})").format(
+        ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
     )
 
 
 def _add_key(conn: Connection, target: Target, ident: sql.Identifier) -> None:
-    # The primary key is built after the load (one sorted build is cheaper
-    # than maintaining the index row by row) and is what rejects duplicates.
     key = ", ".join(target.key)
     try:
         with driver(conn).transaction():
-            execute(
-                conn,
-                sql.SQL("alter table {} add primary key ({})").format(
-                    ident, sql.SQL(", ").join(map(sql.Identifier, target.key))
-                ),
-            )
+            execute(conn, _add_key_sql(target, ident))
     except psycopg.errors.UniqueViolation as exc:
         detail = exc.diag.message_detail or ""
         raise JobError(
