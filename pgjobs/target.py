@@ -10,11 +10,11 @@ declares where no foreign key says so).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
@@ -286,10 +286,11 @@ _FINGERPRINT = (
     " where r.oid is not null order by r.oid)"
 )
 
-#: per driver connection: (name, key, parents) -> (fingerprint, Target)
-_reflected: weakref.WeakKeyDictionary[
-    Any, dict[tuple[str, tuple[str, ...] | None, tuple[Parent, ...]], tuple[Any, Target]]
-] = weakref.WeakKeyDictionary()
+#: (server, database, user, search_path, name, key, parents) -> (fingerprint,
+#: Target); bounded. Shared by the process's connections: a new connection
+#: (a new pool, a CLI run) reads one fingerprint instead of reflecting again.
+_reflected: dict[tuple[Any, ...], tuple[Any, Target]] = {}
+_REFLECTED_SIZE = 256
 
 
 def reflect_target(
@@ -301,7 +302,7 @@ def reflect_target(
 ) -> Target:
     """Read ``target``'s definition from the catalog.
 
-    A connection keeps what it reflected, together with the row versions of
+    The process keeps what it reflected, together with the row versions of
     the catalog rows it came from (those of the target, its declared parents
     and the tables its foreign keys reference); one query compares them, and
     any change of the definition reflects the table again.
@@ -317,7 +318,18 @@ def reflect_target(
     when it is missing, is not a table, or has no usable key.
     """
     pg = conn.connection.driver_connection
-    cache_key = (target, None if key is None else tuple(key), tuple(parents))
+    assert isinstance(pg, psycopg.Connection)
+    info = pg.info
+    cache_key = (
+        info.host,
+        info.port,
+        info.dbname,
+        info.user,
+        info.parameter_status("search_path"),
+        target,
+        None if key is None else tuple(key),
+        tuple(parents),
+    )
     fingerprint: Any = None
     try:
         names = [qualified(n).as_string(pg) for n in (target, *(p.table for p in parents))]
@@ -326,12 +338,14 @@ def reflect_target(
     if names:
         # taken before the reflection: a change in between reflects again next time
         fingerprint = execute(conn, _FINGERPRINT, {"names": names, "target": names[0]}).fetchone()
-        cached = _reflected.get(pg, {}).get(cache_key)
+        cached = _reflected.get(cache_key)
         if cached is not None and fingerprint is not None and cached[0] == fingerprint:
             return cached[1]
     result = _reflect(conn, target, key=key, parents=parents)
     if fingerprint is not None and fingerprint[0][0] == result.oid:
-        _reflected.setdefault(pg, {})[cache_key] = (fingerprint, result)
+        if len(_reflected) >= _REFLECTED_SIZE:
+            _reflected.clear()
+        _reflected[cache_key] = (fingerprint, result)
     return result
 
 
