@@ -75,6 +75,7 @@ OVERRIDE_KEYS = (
     "lock_timeout",
     "statement_timeout",
     "busy_retry",
+    "synchronous_commit",
     "enabled",
 )
 _KIND_KEYS: dict[str, tuple[str, ...]] = {
@@ -111,6 +112,7 @@ class JobOverride:
     lock_timeout: timedelta | None = None
     statement_timeout: timedelta | None = None
     busy_retry: timedelta | None = None
+    synchronous_commit: bool | None = None
     enabled: bool | None = None
 
     def __post_init__(self) -> None:
@@ -369,7 +371,7 @@ class _Parser:
                 fields[name] = self.backoff(value, key)
             elif name == "batch_size":
                 fields[name] = self.positive_int(value, key)
-            elif name == "enabled":
+            elif name in ("enabled", "synchronous_commit"):
                 fields[name] = self.boolean(value, key)
         try:
             return JobOverride(**fields)

@@ -94,6 +94,10 @@ class Job:
     statement_timeout: Duration = "30m"
     #: a periodic job that found its group busy may retry this soon
     busy_retry: Duration | None = "5s"
+    #: ``SET LOCAL synchronous_commit`` for the job's transaction: whether its
+    #: commit waits for the WAL to reach disk (see :class:`_DiffJob` for why
+    #: recompute and queue jobs don't)
+    synchronous_commit: bool = True
     enabled: bool = True
     description: str = ""
 
@@ -129,6 +133,11 @@ class Job:
         if self.busy_retry is not None:
             object.__setattr__(
                 self, "busy_retry", parse_duration(self.busy_retry, field=f"{where}: busy_retry")
+            )
+        if not isinstance(self.synchronous_commit, bool):
+            raise ConfigError(
+                f"{where}: synchronous_commit: expected true or false, got "
+                f"{self.synchronous_commit!r}"
             )
         if self.has_work is not None and not callable(self.has_work):
             raise ConfigError(f"{where}: has_work: expected a callable, got {self.has_work!r}")
@@ -197,6 +206,16 @@ class _DiffJob(Job):
     key: tuple[str, ...] | None = None
     #: parents the target's foreign keys don't declare
     parents: tuple[Parent, ...] = ()
+    #: Off: the commit returns before its WAL is flushed (PostgreSQL's
+    #: asynchronous commit). A crash can then lose the last job transactions,
+    #: never part of one, and only together with everything that makes them
+    #: run again: the queue entries they deleted, the job state they
+    #: advanced. Derived rows are recomputed from their sources, so nothing
+    #: is lost but the work; and any later synchronous commit (a user's)
+    #: flushes the WAL before it, job transactions included. A recompute
+    #: that rewrote many rows otherwise waits for megabytes of WAL at commit
+    #: (15-20 ms of a 0.16 s run at 50k rows / 2 % changed, measured here).
+    synchronous_commit: bool = False
 
     def __post_init__(self) -> None:
         Job.__post_init__(self)

@@ -71,13 +71,15 @@ class RunContext:
 _READ_ONLY = {"transaction_read_only": "on"}
 
 
-def _timeouts(job: Job) -> dict[str, str]:
-    """``SET LOCAL`` values of the job's ``lock_timeout`` and ``statement_timeout``."""
+def _job_settings(job: Job) -> dict[str, str]:
+    """``SET LOCAL`` values of the job's ``lock_timeout``, ``statement_timeout``
+    and ``synchronous_commit``."""
     values = {}
     for name in ("lock_timeout", "statement_timeout"):
         value = getattr(job, name)
         assert isinstance(value, timedelta)
         values[name] = f"{int(value.total_seconds() * 1000)}ms"
+    values["synchronous_commit"] = "on" if job.synchronous_commit else "off"
     return values
 
 
@@ -212,7 +214,7 @@ class Runner:
                 return finish(Outcome.BUSY, retry_after=self._busy_retry(job))
             # Re-check under the lock (a replica may have run the job since
             # step 1), setting the job's timeouts in the same round trip.
-            state = self.store.read_state(conn, job.name, settings=_timeouts(job))
+            state = self.store.read_state(conn, job.name, settings=_job_settings(job))
             blocked = None if force else self._not_due(job, state, started)
             if blocked is not None:
                 trans.rollback()
@@ -226,7 +228,7 @@ class Runner:
                     nonlocal trans
                     trans.commit()
                     trans = conn.begin()
-                    execute(conn, *set_local(_timeouts(job)))
+                    execute(conn, *set_local(_job_settings(job)))
 
                 ctx.checkpoint = checkpoint
             execution = job.execute(conn, ctx)

@@ -46,6 +46,7 @@ def test_a_full_file(tmp_path: Path) -> None:
         cron = "*/10 * * * *"
         lock_timeout = "2s"
         statement_timeout = "10m"
+        synchronous_commit = true
 
         [jobs.worker]
         kind = "queue"
@@ -81,6 +82,7 @@ def test_a_full_file(tmp_path: Path) -> None:
     assert totals.target == "reporting.daily_total" and totals.key == ("day",)
     assert totals.cron == "*/10 * * * *" and totals.every is None
     assert totals.lock_timeout == timedelta(seconds=2)
+    assert totals.synchronous_commit is True
     assert totals.group == "reporting.daily_total"
 
     worker = jobs["worker"]
@@ -90,9 +92,11 @@ def test_a_full_file(tmp_path: Path) -> None:
         pgjobs.Parent(table="exam", columns=("exam_id",), parent_columns=("id",)),
     )
     assert worker.item_backoff == pgjobs.Backoff(initial="1m")
+    assert worker.synchronous_commit is False  # derived-data jobs commit asynchronously
 
     cleanup = jobs["cleanup"]
     assert isinstance(cleanup, pgjobs.TaskJob) and cleanup.interval == timedelta(hours=1)
+    assert cleanup.synchronous_commit is True
 
 
 def test_no_file_means_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,6 +127,58 @@ def test_has_work_runs_read_only(items):
     assert result.outcome == "failed" and result.sqlstate == "25006"  # read_only_sql_transaction
 
 
+def test_job_settings_apply_to_the_job_transaction_only(items):
+    """lock_timeout, statement_timeout and synchronous_commit are SET LOCAL in
+    the job's transaction: recompute and queue jobs commit asynchronously by
+    default, tasks synchronously, each as configured; the session keeps its
+    own values afterwards."""
+    seen: dict[str, tuple[str, ...]] = {}
+
+    def settings(conn):
+        return tuple(
+            conn.execute(
+                text(
+                    "select current_setting('synchronous_commit'),"
+                    " current_setting('lock_timeout'), current_setting('statement_timeout')"
+                )
+            ).one()
+        )
+
+    def task(name: str):
+        def run(conn):
+            seen[name] = settings(conn)
+
+        return run
+
+    def compute(conn):
+        seen["recompute"] = settings(conn)
+        return "select id, note from item"
+
+    jobs = [
+        pgjobs.TaskJob(name="task", run=task("task"), lock_timeout="1500ms"),
+        pgjobs.TaskJob(name="task-async", run=task("task-async"), synchronous_commit=False),
+        pgjobs.RecomputeJob(name="recompute", target="item", compute=compute),
+    ]
+    with pgjobs.Runner(items) as runner:
+        for job in jobs:
+            assert runner.tick(job, force=True).outcome == "ran"
+        with runner.engine.connect() as conn:
+            after = settings(conn)
+    assert seen["task"] == ("on", "1500ms", "30min")
+    assert seen["task-async"] == ("off", "5s", "30min")
+    assert seen["recompute"] == ("off", "5s", "30min")
+    assert after[0] == "on"
+    assert (
+        pgjobs.QueueJob(name="q", target="item", scope="id", compute="x").synchronous_commit
+        is False
+    )
+    assert pgjobs.RecomputeJob(
+        name="r", target="item", compute="x", synchronous_commit=True
+    ).synchronous_commit
+    with pytest.raises(pgjobs.ConfigError, match="synchronous_commit: expected true or false"):
+        pgjobs.TaskJob(name="t", run=task("t"), synchronous_commit="off")
+
+
 def test_field_report_race_periodic_job_runs_every_time_it_is_due(items):
     """A 30 s queue job with an empty queue and a 60 s recompute fire in the same
     tick for 20 simulated minutes: the recompute never loses the lock race."""
