@@ -74,7 +74,9 @@ def sqlstate_of(exc: BaseException | None) -> str | None:
 TEMP_STATISTICS_TARGET = 10
 
 
-def analyze_statements(table: sql.Identifier, columns: Sequence[str] = ()) -> list[sql.SQL | sql.Composed]:
+def analyze_statements(
+    table: sql.Identifier, columns: Sequence[str] = ()
+) -> list[sql.SQL | sql.Composed]:
     """``ANALYZE table (columns)`` with :data:`TEMP_STATISTICS_TARGET`, the
     caller's ``default_statistics_target`` restored after it: three
     statements without parameters (for a pipeline)."""

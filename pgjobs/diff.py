@@ -736,16 +736,35 @@ def _parent_tables_sql(plan: _Plan) -> list[sql.Composable]:
             sql.SQL("select {}, false as defer, op from {} with no data").format(_ids(kc), plan.d),
         )
     )
-    # looked up by key from every write statement that leaves bad rows out
-    if plan.session:
-        out.append(
-            sql.SQL("create index if not exists {} on {} ({})").format(
-                _index_name(plan.bad), plan.bad, _ids(kc)
-            )
-        )
-    else:
+    # Looked up by key from every write statement that leaves bad rows out.
+    # A session table gets its index only while it holds many rows (see
+    # _index_bad): PostgreSQL rebuilds the indexes of a session's ON COMMIT
+    # DELETE ROWS tables at every commit that used a temp table.
+    if not plan.session:
         out.append(sql.SQL("create index on {} ({})").format(plan.bad, _ids(kc)))
     return out
+
+
+#: a session ``bad`` table with this many rows is indexed for the writes
+_BAD_INDEX_ROWS = 64
+
+
+@contextmanager
+def _index_bad(conn: Connection, plan: _Plan, rows: int) -> Iterator[None]:
+    """Within the block, a session ``bad`` table of many rows has an index on
+    the key (dropped after it: kept, it would be rebuilt at every commit)."""
+    if not plan.session or rows < _BAD_INDEX_ROWS:
+        yield
+        return
+    index = _index_name(plan.bad)
+    execute(
+        conn,
+        sql.SQL("create index if not exists {} on {} ({})").format(
+            index, plan.bad, _ids(plan.kc())
+        ),
+    )
+    yield
+    _defer(conn, sql.SQL("drop index if exists {}").format(index))
 
 
 def _create_parent_tables(conn: Connection, plan: _Plan) -> None:
@@ -910,6 +929,9 @@ def _lock_parents(
             needs = plan.needs  # filled with the difference
         else:
             needs = [_fill_need(conn, plan, i, chunk) for i in range(len(plan.parents))]
+        # What is deferred so far (ANALYZE of the difference) takes no row
+        # lock: sent now, so that the lock window measures only the window.
+        _flush(conn)
         # Row locks taken after a savepoint are released by rolling back to it.
         _defer(conn, _SAVEPOINT_PARENTS)
         result.since = time.perf_counter()
@@ -1316,7 +1338,7 @@ def _write(
         # a full scan of a 500k-row target per chunk costs ten times more.
         keyed = _keyed_pass(sum(per_chunk[chunk].values()), target_rows)
         locked = _lock_parents(conn, plan, chunk, wait_busy, keyed)
-        with _keyed_plans(conn, keyed):
+        with _keyed_plans(conn, keyed), _index_bad(conn, plan, locked.bad):
             written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])
         # Row locks are held from the kept locking pass on (a wait for a busy
         # parent before it held none) to the end of the writes.

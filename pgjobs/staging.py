@@ -99,7 +99,9 @@ def stage(
     ``session=True`` (small, frequent loads such as queue batches): load into
     a temp table kept for the session instead, one per target shape, emptied
     at each commit (``ON COMMIT DELETE ROWS``) and by the next session load of
-    the same shape, with its unique key in place, so that a load costs no DDL.
+    the same shape, so that a load costs no DDL. Its key columns are NOT
+    NULL and a repeated key is looked for after the load (no unique index:
+    see _prepare_statements).
     It is only ``ANALYZE``d above :data:`ANALYZE_ROWS` rows: below that, the
     planner's estimate from the table's size serves as well.
     """
@@ -182,6 +184,9 @@ def _stage_session(
             f"target {target.label}: compute returned {type(source).__name__}; expected SQL "
             f"text, a SQLAlchemy selectable or an iterable of rows"
         )
+    _check_repeated(
+        target, execute(conn, _repeated_key_sql(target, sql.Identifier(name))).fetchone()
+    )
     return _session_staged(conn, target, name, columns, rows)
 
 
@@ -213,17 +218,17 @@ def _prepare_session(conn: Connection, target: Target, columns: Sequence[str]) -
 
 
 def _prepare_statements(target: Target, name: str, columns: Sequence[str]) -> list[sql.Composed]:
+    # No index: PostgreSQL truncates a session's ON COMMIT DELETE ROWS tables
+    # at every commit of a transaction that used a temp table, and rebuilds
+    # each of their indexes then (a catalog update each, some 0.5 ms here,
+    # per commit, used or not). The key is checked by _repeated_key_sql.
     ident = sql.Identifier(name)
-    key = sql.SQL(", ").join(map(sql.Identifier, target.key))
     return [
         sql.SQL(
             "create temp table if not exists {t} on commit delete rows as"
             " select {cols} from {target} with no data"
         ).format(
             t=ident, cols=sql.SQL(", ").join(map(sql.Identifier, columns)), target=target.ident
-        ),
-        sql.SQL("create unique index if not exists {ix} on {t} ({key})").format(
-            ix=sql.Identifier(name + "_key"), t=ident, key=key
         ),
         sql.SQL("alter table {t} {not_null}").format(
             t=ident,
@@ -292,7 +297,26 @@ def _stage_plain(
         for statement in _prepare_statements(target, name, columns):
             raw.execute(statement)
         inserted = raw.execute(insert_sql, params)
+        repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
+    _check_repeated(target, repeated.fetchone())
     return name, columns, max(inserted.rowcount, 0)
+
+
+def _repeated_key_sql(target: Target, ident: sql.Identifier) -> sql.Composed:
+    """One key that a session stage table holds more than once, if any."""
+    key = sql.SQL(", ").join(map(sql.Identifier, target.key))
+    return sql.SQL(
+        "select row({key})::text from {t} group by {key} having count(*) > 1 limit 1"
+    ).format(key=key, t=ident)
+
+
+def _check_repeated(target: Target, row: tuple[Any, ...] | None) -> None:
+    if row is not None:
+        raise JobError(
+            f"target {target.label}: the new rows repeat the diff key ({', '.join(target.key)}): "
+            f"{row[0]} appears more than once. Nothing was written.",
+            sqlstate="23505",
+        )
 
 
 def _stage_plain_temp(
@@ -405,8 +429,7 @@ def _insert_select(
     # INSERT ... SELECT; without it, the rows are counted.
     options = {"preserve_rowcount": True}
     if keyed is not None:
-        # the session table has its key in place: the insert itself rejects
-        # duplicates
+        # the session table's key columns are NOT NULL
         with _key_errors(keyed):
             result = conn.execute(statement, params, execution_options=options)
     else:

@@ -214,3 +214,50 @@ def test_a_small_scope_is_read_by_key_and_a_large_one_by_join(engine):
 def test_scope_rows_must_be_a_count():
     with pytest.raises(pgjobs.ConfigError, match=r"Scope\.rows"):
         Scope(columns=("a",), keys=sql.Identifier("k"), rows=-1)
+
+
+def session_indexes(pg) -> list[str]:
+    """Indexes on this session's pgjobs session tables."""
+    return [
+        r[0]
+        for r in pg.execute(
+            "select i.relname from pg_index x join pg_class i on i.oid = x.indexrelid"
+            " join pg_class t on t.oid = x.indrelid"
+            " where t.relnamespace = pg_my_temp_schema() and t.relname ~ '^pgjobs_s'"
+        ).fetchall()
+    ]
+
+
+def test_session_tables_keep_no_index_and_name_a_repeated_key(engine):
+    """PostgreSQL rebuilds every index of a session's ON COMMIT DELETE ROWS
+    tables at each commit: the session tables carry none between calls; a
+    repeated key is still refused, naming it."""
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn:
+        pg = conn.connection.driver_connection
+        with conn.begin():
+            scoped_write(conn, [(1, 1, 1), (1, 2, 2)], [1])
+            assert session_indexes(pg) == []
+        with conn.begin(), pytest.raises(pgjobs.JobError, match=r"\(2,1\) appears more than once"):
+            scoped_write(conn, [(2, 1, 1), (2, 1, 2)], [2])
+    assert rows(engine) == [(1, 1, 1), (1, 2, 2)]
+
+
+def test_many_rows_of_gone_parents_in_a_session_diff(engine):
+    """Over _BAD_INDEX_ROWS rows left out (their parent is gone): the bad
+    table is indexed for the writes and the index dropped after them."""
+    run_sql(engine, SCHEMA + "insert into parent select generate_series(11, 300);")
+    keys = list(range(1, 301))
+    with engine.connect() as conn:
+        pg = conn.connection.driver_connection
+        with conn.begin():
+            scoped_write(conn, [(k, 1, 0) for k in keys], keys)
+        # 200 parents vanish between compute and write: simulated by deleting
+        # them in this transaction before the diff
+        with conn.begin():
+            pg.execute("delete from parent where id > 100")
+            result = scoped_write(conn, [(k, n, 1) for k in keys for n in (1, 2)], keys)
+            assert session_indexes(pg) == []
+    assert result.stats.skipped_missing_parent == 400
+    assert result.stats.updated == 100 and result.stats.inserted == 100
+    assert rows(engine) == [(k, n, 1) for k in range(1, 101) for n in (1, 2)]
