@@ -601,6 +601,11 @@ def _keyed_pass(rows_in_pass: int, target_rows: float) -> bool:
 
 
 def _estimated_rows_sql(target: Target) -> sql.Composed:
+    if not target.partitioned:
+        # one pg_class probe by oid (the OR below makes it a scan of pg_class)
+        return sql.SQL(
+            "select greatest(c.reltuples, 0)::float8 from pg_class c where c.oid = {oid}"
+        ).format(oid=sql.Literal(target.oid))
     return sql.SQL(_ESTIMATED_ROWS.replace("%(oid)s", "{oid}")).format(oid=sql.Literal(target.oid))
 
 
