@@ -1,6 +1,6 @@
 """What makes a small diff cheap, checked for correctness on real PostgreSQL:
 session temp tables (kept per connection, emptied per call, recreated when a
-rollback took them away), session staging, the per-connection reflection
+rollback took them away), session staging, the process-wide reflection
 cache (invalidated by any DDL that changes the definition) and the keyed
 read of a small scope.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from psycopg import sql
+from sqlalchemy import create_engine
 
 import pgjobs
 from pgjobs.diff import Scope, reflect_target, stage, write_diff
@@ -188,6 +189,18 @@ def test_reflection_is_cached_until_the_definition_changes(engine):
         run_sql(engine, "analyze derived")
         with conn.begin():
             assert reflect_target(conn, "derived") is sixth
+    # The cache is the process's: another connection (a new pool, here) finds
+    # the same reflection, and sees a change made meanwhile.
+    other_engine = create_engine(engine.url)
+    try:
+        with other_engine.connect() as other, other.begin():
+            assert reflect_target(other, "derived") is sixth
+        run_sql(engine, "alter table derived add column y int")
+        with other_engine.connect() as other, other.begin():
+            seventh = reflect_target(other, "derived")
+        assert seventh is not sixth and "y" in seventh.columns
+    finally:
+        other_engine.dispose()
 
 
 def test_a_small_scope_is_read_by_key_and_a_large_one_by_join(engine):
