@@ -58,6 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import _machine
 import psycopg
 from psycopg import sql
 from sqlalchemy import create_engine
@@ -489,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[Run] = []
     started = datetime.now(UTC)
+    machine = _machine.reference(plain(args.dsn))
     for rows in sizes:
         with fresh_database(args.dsn) as url:
             parents = populate(plain(url), rows)
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                         print_table([run], header=False, file=sys.stderr)
     summary = medians(runs)
     print()
-    print(f"median of {args.repeat} round(s) per row")
+    print(f"median of {args.repeat} round(s) per row; {_machine.describe(machine)}")
     print_table(summary)
     targets = check_targets(summary)
     if targets:
@@ -524,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "started": started.isoformat(),
                 "server_version": server,
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), **machine},
                 "delete_every_s": DELETE_EVERY,
                 "repeat": args.repeat,
                 "runs": [asdict(r) for r in runs],

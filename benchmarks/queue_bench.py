@@ -26,6 +26,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import _machine
 from sqlalchemy import create_engine, text
 
 import pgjobs
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     with find_server_url(args.dsn) as server:
+        machine = _machine.reference(server.replace("postgresql+psycopg://", "postgresql://"))
         for batch in (1, 100, 1000):
             n = args.items_batch1 if batch == 1 else max(args.items, batch)
             rows.extend(bench(server, batch, n, args.repeat))
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {s['ms_per_tick']:>8.2f}"
         )
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(_machine.describe(machine))
     print(f"idle tick: median {idle['median_ms']:.2f} ms, p95 {idle['p95_ms']:.2f} ms")
     b100 = [s["items_per_s"] for s in summary if s["batch_size"] == 100]
     print(f"target >= 5000 items/s at batch 100: {'met' if min(b100) >= 5000 else 'NOT met'}")
@@ -226,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
+                "machine_reference": machine,
                 "derived_rows_per_item": 5,
                 "summary": summary,
                 "runs": rows,
