@@ -284,6 +284,16 @@ class QueueJob(_DiffJob):
     ``:keys``), writes one diff scoped to those items, then calls
     ``after(conn, keys, stats)``. A failing item is isolated and retried
     after ``item_backoff``, and parked as dead after ``max_attempts``.
+
+    A plugin with a queue table of its own gives ``claim``, ``finish`` and
+    ``has_work`` instead: ``claim(conn, limit)`` locks up to ``limit`` due
+    items of its table (``FOR UPDATE SKIP LOCKED``: never wait) and returns
+    their scope values as tuples; after the batch, ``finish(conn, done,
+    failed)`` gets the keys to take off the queue (processed, or their
+    parent is gone) and ``{key: exception}`` of the items that failed, to
+    retry or park as it sees fit. Keys in neither (a parent a user holds)
+    stay queued. Everything else (parents locked first, one scoped diff,
+    ``after``, per-item isolation) is the same.
     """
 
     kind: ClassVar[str] = "queue"
@@ -295,10 +305,25 @@ class QueueJob(_DiffJob):
     batch_size: int = 100
     max_attempts: int = 5
     item_backoff: Backoff | Duration = "30s"
+    #: a queue of the plugin's own: ``(conn, limit) -> keys``, items locked
+    claim: Callable[[Connection, int], Keys] | None = None
+    #: ... and ``(conn, done keys, {failed key: exception})`` after the batch
+    finish: Callable[[Connection, Keys, dict[tuple[Any, ...], BaseException]], None] | None = None
 
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
         where = f"QueueJob {self.name!r}"
+        for name in ("claim", "finish"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"{where}: {name}: expected a callable, got {value!r}")
+        if self.claim is not None and (self.finish is None or self.has_work is None):
+            raise ConfigError(
+                f"{where}: claim (a queue of your own) needs finish (to take processed "
+                f"items off it) and has_work (to tell when it holds due items)"
+            )
+        if self.finish is not None and self.claim is None:
+            raise ConfigError(f"{where}: finish is for a queue of your own: give claim too")
         object.__setattr__(self, "scope", _names(self.scope, f"{where}: scope"))
         if not self.scope:
             raise ConfigError(f"{where}: scope: name the column(s) that tie an item to its rows")

@@ -57,10 +57,13 @@ the runner backs the job off.
 Installation: :func:`enqueue` needs pgjobs' schema; it is created by
 ``pgjobs.install(database)`` or by any job's first tick.
 
-A plugin that keeps its own queue table can give the job a ``has_work``
-(asked instead of the built-in queue's ``EXISTS``); the items themselves
-still come from the built-in queue (a ``claim`` hook of its own is not
-supported yet).
+A plugin that keeps its own queue table gives the job ``has_work`` (asked
+instead of the built-in queue's ``EXISTS``), ``claim`` and ``finish``: its
+``claim`` takes and locks the items (step 1's entries; the parents are then
+locked here, ``SKIP LOCKED`` as above), and ``finish(conn, done, failed)``
+replaces step 4 and the failure bookkeeping: the plugin deletes the done
+keys (processed, or their parent gone) and retries or parks the failed ones
+as it likes, in the same transaction.
 """
 
 from __future__ import annotations
@@ -440,6 +443,10 @@ class _Worker:
         )
         self.batch = _Batch()
         self._savepoints = 0
+        #: a queue of the plugin's own (job.claim): item text -> its key as claimed
+        self.own: dict[str, tuple[Any, ...]] | None = None
+        #: ... and the items dropped because their parent is gone
+        self.dropped: list[str] = []
 
     # -- savepoints -------------------------------------------------------------
     def _savepoint(self) -> sql.Identifier:
@@ -459,18 +466,25 @@ class _Worker:
 
     # -- the tick -------------------------------------------------------------------
     def run(self) -> Execution:
-        items, gone, deferred, unreadable = self._claim()
+        if self.job.claim is not None:
+            items, gone, deferred, unreadable = self._claim_own()
+        else:
+            items, gone, deferred, unreadable = self._claim()
         self.ctx.report("claim", len(items), None)
         for item, exc in unreadable.items():
             self.batch.failed[item] = exc
         if gone:
-            self._delete(gone)
+            self._drop(gone)
             log.info(
                 "pgjobs: %s: dropped %d item(s) whose parent is gone", self.job.name, len(gone)
             )
         if items:
             self._process(items)
-        dead = self._record_failures() if self.batch.failed else 0
+        dead = 0
+        if self.own is not None:
+            self._finish_own()
+        elif self.batch.failed:
+            dead = self._record_failures()
         b = self.batch
         return Execution(
             stats=b.stats,
@@ -661,6 +675,43 @@ class _Worker:
             self.batch.attempts_of[item] = attempts
         return [r[0] for r in rows]
 
+    def _claim_own(self) -> tuple[list[str], list[str], list[str], dict[str, BaseException]]:
+        """:meth:`_claim` for a queue of the plugin's own: ``job.claim`` takes
+        and locks the items, then their parents are locked here, never
+        waiting. Returns the same four sets."""
+        assert self.job.claim is not None
+        width = len(self.job.scope)
+        self.own = {}
+        for key in self.job.claim(self.conn, self.job.batch_size):
+            values = tuple(key) if isinstance(key, tuple | list) else (key,)
+            self.own.setdefault(key_json(values, width), values)
+        items = list(self.own)
+        if not items:
+            return [], [], [], {}
+        self._ensure_keys_table()
+        if not self.item_parents:
+            return sorted(items), [], [], {}
+        sp = self._savepoint()
+        try:
+            ok, gone, deferred = self._lock_parents(items)
+        except psycopg.DataError:
+            # a key that does not convert to the scope's types: found one by one
+            self._rollback_to(sp)
+            unreadable = self._unreadable(items)
+            ok, gone, deferred = self._lock_parents([i for i in items if i not in unreadable])
+            return ok, gone, deferred, unreadable
+        return ok, gone, deferred, {}
+
+    def _finish_own(self) -> None:
+        """Hand the plugin its done and failed keys (a queue of its own)."""
+        assert self.own is not None and self.job.finish is not None
+        own = self.own
+        done = [own[i] for i in (*self.dropped, *self.batch.done)]
+        failed = {own[i]: exc for i, exc in sorted(self.batch.failed.items())}
+        for key, exc in failed.items():
+            log.warning("pgjobs: %s: item %s failed: %s", self.job.name, key, _error_text(exc))
+        self.job.finish(self.conn, done, failed)
+
     def _unreadable(self, items: list[str]) -> dict[str, BaseException]:
         """Keys that don't convert to the scope's column types, one by one."""
         probe = sql.SQL("select {} from unnest(%s::text[]) as i(item)").format(self.typed)
@@ -682,9 +733,11 @@ class _Worker:
         """For claimed ``items``: (parents locked, a parent gone, a parent busy)."""
         if not items:
             return [], [], []
+        # Each item comes back as it was given (text), not as jsonb prints it.
         query = sql.SQL(
-            "with given as (select unnest(%s::text[])::jsonb as item), {}"
-            " select item::text, locked, present from s"
+            "with given as (select g.item::jsonb as item, g.item as given"
+            " from unnest(%s::text[]) as g(item)), {}"
+            " select given.given, locked, present from s join given using (item)"
         ).format(self._classify_ctes(sql.SQL("given")))
         ok, gone, deferred = [], [], []
         for item, is_locked, is_present in self.raw.execute(query, (items,)).fetchall():
@@ -801,8 +854,18 @@ class _Worker:
             return
         if self.job.after is not None:
             self.job.after(self.conn, keys, result.stats)
-        self._delete(items, release=savepoint)
+        if self.own is None:
+            self._delete(items, release=savepoint)
+        else:
+            self._release(savepoint)  # finish() takes them off the plugin's queue
         b.done.extend(items)
+
+    def _drop(self, items: list[str]) -> None:
+        """Items whose parent is gone: nothing to write, off the queue."""
+        if self.own is None:
+            self._delete(items)
+        else:
+            self.dropped.extend(items)
 
     def _delete(self, items: list[str], *, release: sql.Identifier | None = None) -> None:
         # One primary-key probe per entry, then a TID scan: "key = any(...)"

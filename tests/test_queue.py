@@ -900,3 +900,104 @@ def test_the_items_parents_stay_locked_from_the_claim_through_the_write(db, db_u
     assert result.outcome == "ran" and result.items == 1, queue_rows(db)
     assert held == {1: True, 2: False}
     assert derived(db) == from_scratch(db, 1)
+
+
+# -- a queue of the plugin's own -----------------------------------------------------
+OWN_QUEUE = """
+create table my_queue (
+    parent_id int primary key,
+    attempts int not null default 0,
+    last_error text
+);
+"""
+
+
+def own_queue_job(**changes):
+    """A QueueJob over ``my_queue``, the plugin's table: claim locks due rows
+    without waiting, finish deletes the done ones and counts failures."""
+
+    def claim(conn, limit):
+        return [
+            tuple(r)
+            for r in conn.execute(
+                text(
+                    "select parent_id from my_queue where attempts < 3 order by parent_id"
+                    " limit :n for update skip locked"
+                ),
+                {"n": limit},
+            )
+        ]
+
+    def finish(conn, done, failed):
+        conn.execute(
+            text("delete from my_queue where parent_id = any(cast(:done as int[]))"),
+            {"done": [k[0] for k in done]},
+        )
+        for (key,), exc in failed.items():
+            conn.execute(
+                text(
+                    "update my_queue set attempts = attempts + 1, last_error = :err"
+                    " where parent_id = :k"
+                ),
+                {"k": key, "err": str(exc)},
+            )
+
+    def has_work(conn):
+        return conn.execute(
+            text("select exists (select from my_queue where attempts < 3)")
+        ).scalar()
+
+    return make_job(claim=claim, finish=finish, has_work=has_work, **changes)
+
+
+def my_queue(engine):
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text("select * from my_queue order by 1"))]
+
+
+def test_a_plugin_brings_its_own_queue_table_with_claim_and_finish(db):
+    """claim takes the items from the plugin's table; the parents are locked
+    as for the built-in queue (a gone parent's item is done, a busy one stays);
+    finish gets the done keys and the failing items with their errors."""
+    with db.begin() as conn:
+        conn.exec_driver_sql(OWN_QUEUE)
+    add_parents(db, range(1, 11))
+    with db.begin() as conn:
+        conn.exec_driver_sql("insert into my_queue (parent_id) select generate_series(1, 10)")
+        conn.exec_driver_sql("delete from parent where id = 9")  # gone before the tick
+
+    def compute(conn, keys):
+        if 7 in {k[0] for k in keys}:
+            raise ValueError("cannot score item 7")
+        return COMPUTE
+
+    job = own_queue_job(compute=compute)
+    with db.connect() as user:
+        user.begin()
+        user.execute(text("select id from parent where id = 3 for update"))  # a user holds 3
+        with pgjobs.Runner(db) as runner:
+            result = runner.tick(job)
+        user.rollback()
+    assert result.outcome == "ran", result.error
+    assert (result.items, result.failed_items) == (7, 1)
+    assert result.detail["parent_gone"] == 1 and result.detail["deferred"] == 1
+    # 3 (busy) stays untouched; 7 failed once; the others, 9 included, are done
+    assert my_queue(db) == [(3, 0, None), (7, 1, "cannot score item 7")]
+    assert derived(db) == [r for r in from_scratch(db) if r[0] not in (3, 7)]
+    assert queue_rows(db) == []  # the built-in queue is not involved
+
+    with pgjobs.Runner(db) as runner:
+        again = runner.tick(job, force=True)
+    assert again.outcome == "ran", again.error
+    assert (again.items, again.failed_items) == (1, 1)
+    assert my_queue(db) == [(7, 2, "cannot score item 7")]
+    assert derived(db) == [r for r in from_scratch(db) if r[0] != 7]
+
+
+def test_claim_needs_finish_and_has_work(db):
+    with pytest.raises(pgjobs.ConfigError, match=r"claim .* needs finish .* and has_work"):
+        make_job(claim=lambda conn, n: [], finish=lambda conn, d, f: None)
+    with pytest.raises(pgjobs.ConfigError, match="finish is for a queue of your own"):
+        make_job(finish=lambda conn, d, f: None)
+    with pytest.raises(pgjobs.ConfigError, match="claim: expected a callable"):
+        make_job(claim="select 1", finish=lambda conn, d, f: None, has_work=lambda c: True)
