@@ -16,6 +16,8 @@ from sqlalchemy.engine import Connection
 DEFAULT_NAMESPACE = "pgjobs"
 
 _TRY_XACT = text("select pg_try_advisory_xact_lock(hashtextextended(:key, 0))")
+#: the same for the driver connection (``%s``: :func:`lock_name`), to pipeline
+TRY_XACT_SQL = "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
 _TRY_SESSION = text("select pg_try_advisory_lock(hashtextextended(:key, 0))")
 _UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
 

@@ -25,14 +25,15 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import execute, set_local
+from ._pg import driver, execute, set_local
 from .database import resolve_engine
 from .errors import ConfigError
 from .jobs import Job
 from .locking import (
     DEFAULT_NAMESPACE,
+    TRY_XACT_SQL,
+    lock_name,
     release_session_lock,
-    try_group_lock,
     try_session_lock,
 )
 from .results import Execution, Outcome, RunResult
@@ -209,12 +210,23 @@ class Runner:
         trans = conn.begin()
         session_locked = False
         try:
-            if not try_group_lock(conn, self.namespace, job.group or job.name):
+            # One round trip: BEGIN, the lock, then (if it was taken) the
+            # re-check of the state under it (a replica may have run the job
+            # since step 1) with the job's settings. Both are read-only and
+            # transaction-local: when the lock is busy they are rolled back.
+            raw = driver(conn)
+            with raw.pipeline():
+                lock = raw.execute(
+                    TRY_XACT_SQL, (lock_name(self.namespace, job.group or job.name),)
+                )
+                state_row = raw.execute(
+                    *self.store.state_query(job.name, settings=_job_settings(job))
+                )
+            locked = lock.fetchone()
+            if not (locked and locked[0]):
                 trans.rollback()
                 return finish(Outcome.BUSY, retry_after=self._busy_retry(job))
-            # Re-check under the lock (a replica may have run the job since
-            # step 1), setting the job's timeouts in the same round trip.
-            state = self.store.read_state(conn, job.name, settings=_job_settings(job))
+            state = self.store.state_from_row(job.name, state_row.fetchone())
             blocked = None if force else self._not_due(job, state, started)
             if blocked is not None:
                 trans.rollback()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
@@ -22,7 +22,7 @@ from psycopg import errors, sql
 from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
-from ._pg import execute, set_local
+from ._pg import driver, execute, set_local
 from .results import RunResult
 
 log = logging.getLogger(__name__)
@@ -128,15 +128,25 @@ class Store:
         """The job's persisted state; ``settings`` are set for the current
         transaction in the same round trip (``transaction_read_only``,
         ``lock_timeout``, ...)."""
+        raw = driver(conn)
+        # in a pipeline: the BEGIN psycopg sends first travels with it
+        with raw.pipeline():
+            cur = raw.execute(*self.state_query(job, settings=settings))
+        return self.state_from_row(job, cur.fetchone())
+
+    def state_query(
+        self, job: str, *, settings: Mapping[str, str] | None = None
+    ) -> tuple[sql.Composed, list[Any]]:
+        """:meth:`read_state`'s statement and parameters, to pipeline with others."""
         cfg, params = set_local(settings or {})
-        row = execute(
-            conn,
-            sql.SQL(
-                "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
-                " s.last_failure_at, s.last_error from ({}) cfg left join {} s on s.job = %s"
-            ).format(cfg, self.table("job_state")),
-            [*params, job],
-        ).fetchone()
+        query = sql.SQL(
+            "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
+            " s.last_failure_at, s.last_error from ({}) cfg left join {} s on s.job = %s"
+        ).format(cfg, self.table("job_state"))
+        return query, [*params, job]
+
+    @staticmethod
+    def state_from_row(job: str, row: Sequence[Any] | None) -> JobState | None:
         if row is None or row[0] is None:
             return None
         return JobState(job, row[1], row[2], row[3], row[4], row[5])

@@ -293,6 +293,24 @@ _reflected: dict[tuple[Any, ...], tuple[Any, Target]] = {}
 _REFLECTED_SIZE = 256
 
 
+# Run with a generic plan, prepared once per connection: planning this
+# catalog query anew (a custom plan for each call's names) took 1.4 ms a
+# call here, the prepared generic plan 0.9 ms; it runs on every job tick.
+_GENERIC_PLAN = (
+    "select set_config('pgjobs.plan_cache_mode', current_setting('plan_cache_mode'), true),"
+    " set_config('plan_cache_mode', 'force_generic_plan', true)"
+)
+_PLAN_BACK = "select set_config('plan_cache_mode', current_setting('pgjobs.plan_cache_mode'), true)"
+
+
+def _fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Any:
+    with pg.pipeline():
+        pg.execute(_GENERIC_PLAN)
+        cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]}, prepare=True)
+        pg.execute(_PLAN_BACK)
+    return cur.fetchone()
+
+
 def reflect_target(
     conn: Connection,
     target: str,
@@ -337,7 +355,7 @@ def reflect_target(
         names = []  # _resolve raises the error
     if names:
         # taken before the reflection: a change in between reflects again next time
-        fingerprint = execute(conn, _FINGERPRINT, {"names": names, "target": names[0]}).fetchone()
+        fingerprint = _fingerprint(pg, names)
         cached = _reflected.get(cache_key)
         if cached is not None and fingerprint is not None and cached[0] == fingerprint:
             return cached[1]
