@@ -70,6 +70,7 @@ class RunContext:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
+_ASYNC_COMMIT = "select set_config('synchronous_commit', 'off', true)"
 
 
 def _job_settings(job: Job) -> dict[str, str]:
@@ -373,9 +374,19 @@ class Runner:
             return save(other)
 
     def _record(self, conn: Connection, result: RunResult) -> RunResult:
+        """The run record of a tick that changed nothing (idle, busy, not due,
+        backing off): BEGIN and the insert in one round trip, committed
+        without waiting for the WAL flush (a crash may lose the last few such
+        records, nothing else; a job's own record and state are written in
+        its transaction, a failure's with a synchronous commit)."""
         with conn.begin():
-            run_id = self.store.insert_run(conn, result, self.worker)
-        return _with_run_id(result, run_id)
+            raw = driver(conn)
+            with raw.pipeline():
+                raw.execute(_ASYNC_COMMIT)
+                cur = raw.execute(*self.store.run_query(result, self.worker))
+            row = cur.fetchone()
+            assert row is not None
+        return _with_run_id(result, int(row[0]))
 
     def prune(self, keep: timedelta = timedelta(days=7)) -> int:
         """Delete run records older than ``keep``; returns how many."""

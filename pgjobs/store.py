@@ -195,6 +195,16 @@ class Store:
     ) -> int:
         """Record ``result`` in the run log. With ``success_next_attempt``, also
         record a success in ``job_state`` (failures reset), in the same statement."""
+        row = execute(
+            conn, *self.run_query(result, worker, success_next_attempt=success_next_attempt)
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def run_query(
+        self, result: RunResult, worker: str, *, success_next_attempt: datetime | None = None
+    ) -> tuple[sql.Composed, dict[str, Any]]:
+        """:meth:`insert_run`'s statement and parameters (it returns the id)."""
         s = result.stats
         params = {
             "job": result.job,
@@ -234,9 +244,7 @@ class Store:
                 " failures = 0, last_started_at = excluded.last_started_at,"
                 " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at) {}"
             ).format(self.table("job_state"), insert)
-        row = execute(conn, insert, params).fetchone()
-        assert row is not None
-        return int(row[0])
+        return insert, params
 
     def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
         """Delete runs that started more than ``keep`` before ``now``."""
