@@ -249,10 +249,16 @@ class Runner:
             # 5. Commit the writes with the job's state and run record.
             next_attempt = self._next_after_success(job, started, next_due)
             result = self._result(job, Outcome.RAN, started, execution, next_attempt)
-            run_id = self.store.insert_run(
-                conn, result, self.worker, success_next_attempt=next_attempt
-            )
-            trans.commit()
+            # the run record (with the success state) and COMMIT: one round trip
+            raw = driver(conn)
+            with raw.pipeline():
+                recorded = raw.execute(
+                    *self.store.run_query(result, self.worker, success_next_attempt=next_attempt)
+                )
+                trans.commit()
+            row = recorded.fetchone()
+            assert row is not None
+            run_id = int(row[0])
         except Exception as exc:
             if trans.is_active:
                 trans.rollback()

@@ -552,3 +552,29 @@ def test_a_recompute_run_record_keeps_the_writers_detail(items):
             text("select detail from pgjobs.run where id = :id"), {"id": result.run_id}
         ).scalar_one()
     assert detail["staged_rows"] == 2 and detail["deferred"] == 0
+
+
+def test_a_commit_that_fails_is_a_failed_run_with_nothing_written(items):
+    """A deferred foreign key is checked at COMMIT (sent with the run record):
+    the run fails with the SQLSTATE, nothing it wrote stays, and the failure
+    is recorded and backed off."""
+    with items.begin() as conn:
+        conn.execute(
+            text(
+                "create table owner (id int primary key);"
+                " create table owned (id int primary key, owner_id int references owner"
+                " deferrable initially deferred)"
+            )
+        )
+
+    def orphan(conn):
+        conn.execute(text("insert into owned values (1, 42)"))  # no owner 42
+
+    job = pgjobs.TaskJob(name="orphan", run=orphan, backoff="10m")
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(job)
+    assert result.outcome == "failed" and result.sqlstate == "23503", result
+    with items.connect() as conn:
+        assert conn.execute(text("select count(*) from owned")).scalar_one() == 0
+    assert runs(items, "orphan") == [("failed", 0)]
+    assert result.next_attempt_at is not None
