@@ -293,9 +293,9 @@ _reflected: dict[tuple[Any, ...], tuple[Any, Target]] = {}
 _REFLECTED_SIZE = 256
 
 
-# Run with a generic plan, prepared once per connection: planning this
-# catalog query anew (a custom plan for each call's names) took 1.4 ms a
-# call here, the prepared generic plan 0.9 ms; it runs on every job tick.
+# Run with a generic plan: once psycopg has prepared the statement, planning
+# this catalog query anew (a custom plan for each call's names) took 1.4 ms
+# a call here, the prepared generic plan 0.9 ms; it runs on every job tick.
 _GENERIC_PLAN = (
     "select set_config('pgjobs.plan_cache_mode', current_setting('plan_cache_mode'), true),"
     " set_config('plan_cache_mode', 'force_generic_plan', true)"
@@ -306,7 +306,10 @@ _PLAN_BACK = "select set_config('plan_cache_mode', current_setting('pgjobs.plan_
 def _fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Any:
     with pg.pipeline():
         pg.execute(_GENERIC_PLAN)
-        cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]}, prepare=True)
+        # prepared as the connection prepares (psycopg's prepare_threshold:
+        # after 5 runs by default; never where it is None, e.g. behind a
+        # transaction-pooling pgbouncer)
+        cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]})
         pg.execute(_PLAN_BACK)
     return cur.fetchone()
 
