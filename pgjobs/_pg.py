@@ -74,27 +74,42 @@ def sqlstate_of(exc: BaseException | None) -> str | None:
 TEMP_STATISTICS_TARGET = 10
 
 
+def swap_settings(settings: Mapping[str, str]) -> tuple[list[sql.Composed], sql.Composed]:
+    """Statements that set ``settings`` for a while inside the transaction:
+    (keep each current value in ``pgjobs.<name>``, then set the new one) and
+    the statement that gives the kept values back. No parameters, so they
+    can travel with other statements in one round trip."""
+
+    def each(template: str) -> sql.Composed:
+        return sql.SQL("select {}").format(
+            sql.SQL(", ").join(
+                sql.SQL(template).format(
+                    name=sql.Literal(name), kept=sql.Literal(f"pgjobs.{name}"), value=sql.Literal(v)
+                )
+                for name, v in settings.items()
+            )
+        )
+
+    keep = each("set_config({kept}, current_setting({name}), true)")
+    change = each("set_config({name}, {value}, true)")
+    back = each(
+        "set_config({name}, coalesce(nullif(current_setting({kept}, true), ''),"
+        " current_setting({name})), true)"
+    )
+    return [keep, change], back
+
+
 def analyze_statements(
     table: sql.Identifier, columns: Sequence[str] = ()
 ) -> list[sql.SQL | sql.Composed]:
     """``ANALYZE table (columns)`` with :data:`TEMP_STATISTICS_TARGET`, the
-    caller's ``default_statistics_target`` restored after it: three
-    statements without parameters (for a pipeline)."""
+    caller's ``default_statistics_target`` restored after it: statements
+    without parameters (for a pipeline)."""
     cols: sql.Composable = sql.SQL("")
     if columns:
         cols = sql.SQL(" ({})").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
-    return [
-        sql.SQL(
-            "select set_config('pgjobs.statistics_target',"
-            " current_setting('default_statistics_target'), true),"
-            " set_config('default_statistics_target', {}, true)"
-        ).format(sql.Literal(str(TEMP_STATISTICS_TARGET))),
-        sql.SQL("analyze {}{}").format(table, cols),
-        sql.SQL(
-            "select set_config('default_statistics_target',"
-            " current_setting('pgjobs.statistics_target'), true)"
-        ),
-    ]
+    change, back = swap_settings({"default_statistics_target": str(TEMP_STATISTICS_TARGET)})
+    return [*change, sql.SQL("analyze {}{}").format(table, cols), back]
 
 
 def analyze(table: sql.Identifier, columns: Sequence[str] = ()) -> sql.Composed:

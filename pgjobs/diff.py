@@ -97,7 +97,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import Params, analyze, driver
+from ._pg import Params, analyze, driver, swap_settings
 from ._pg import execute as _execute
 from .errors import ConfigError, JobError
 from .results import DiffStats, Execution
@@ -609,32 +609,13 @@ def _estimated_rows_sql(target: Target) -> sql.Composed:
     return sql.SQL(_ESTIMATED_ROWS.replace("%(oid)s", "{oid}")).format(oid=sql.Literal(target.oid))
 
 
-_KEYED_ON = sql.SQL(
-    "select set_config('pgjobs.enable_hashjoin', current_setting('enable_hashjoin'), true),"
-    " set_config('pgjobs.enable_mergejoin', current_setting('enable_mergejoin'), true);"
-    " select set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)"
-)
-_KEYED_OFF = sql.SQL(
-    "select set_config('enable_hashjoin',"
-    " coalesce(nullif(current_setting('pgjobs.enable_hashjoin', true), ''),"
-    " current_setting('enable_hashjoin')), true),"
-    " set_config('enable_mergejoin',"
-    " coalesce(nullif(current_setting('pgjobs.enable_mergejoin', true), ''),"
-    " current_setting('enable_mergejoin')), true)"
-)
+_KEYED_ON, _KEYED_OFF = swap_settings({"enable_hashjoin": "off", "enable_mergejoin": "off"})
 # JIT compiles a statement whose estimated cost passes jit_above_cost, and an
 # estimate from an unanalyzed temp table can: some 10 ms of compiling for a
 # statement that runs in one. Off while a session difference is taken (the
 # one statement planned on an unanalyzed keys table); the writes, planned on
 # the difference, keep the server's setting.
-_JIT_OFF = [
-    sql.SQL("select set_config('pgjobs.jit', current_setting('jit'), true)"),
-    sql.SQL("select set_config('jit', 'off', true)"),
-]
-_JIT_BACK = sql.SQL(
-    "select set_config('jit', coalesce(nullif(current_setting('pgjobs.jit', true), ''),"
-    " current_setting('jit')), true)"
-)
+_JIT_OFF, _JIT_BACK = swap_settings({"jit": "off"})
 
 
 @contextmanager
@@ -649,7 +630,8 @@ def _keyed_plans(conn: Connection, on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    _defer(conn, _KEYED_ON)
+    for statement in _KEYED_ON:
+        _defer(conn, statement)
     try:
         yield
     finally:

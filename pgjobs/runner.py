@@ -70,7 +70,7 @@ class RunContext:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
-_ASYNC_COMMIT = "select set_config('synchronous_commit', 'off', true)"
+_ASYNC_COMMIT = {"synchronous_commit": "off"}
 
 
 def _job_settings(job: Job) -> dict[str, str]:
@@ -388,7 +388,7 @@ class Runner:
         with conn.begin():
             raw = driver(conn)
             with raw.pipeline():
-                raw.execute(_ASYNC_COMMIT)
+                raw.execute(*set_local(_ASYNC_COMMIT))
                 cur = raw.execute(*self.store.run_query(result, self.worker))
             row = cur.fetchone()
             assert row is not None

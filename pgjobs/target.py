@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import execute, qualified
+from ._pg import execute, qualified, swap_settings
 from .errors import ConfigError
 from .jobs import Parent
 
@@ -296,16 +296,13 @@ _REFLECTED_SIZE = 256
 # Run with a generic plan: once psycopg has prepared the statement, planning
 # this catalog query anew (a custom plan for each call's names) took 1.4 ms
 # a call here, the prepared generic plan 0.9 ms; it runs on every job tick.
-_GENERIC_PLAN = (
-    "select set_config('pgjobs.plan_cache_mode', current_setting('plan_cache_mode'), true),"
-    " set_config('plan_cache_mode', 'force_generic_plan', true)"
-)
-_PLAN_BACK = "select set_config('plan_cache_mode', current_setting('pgjobs.plan_cache_mode'), true)"
+_GENERIC_PLAN, _PLAN_BACK = swap_settings({"plan_cache_mode": "force_generic_plan"})
 
 
 def _fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Any:
     with pg.pipeline():
-        pg.execute(_GENERIC_PLAN)
+        for statement in _GENERIC_PLAN:
+            pg.execute(statement)
         # prepared as the connection prepares (psycopg's prepare_threshold:
         # after 5 runs by default; never where it is None, e.g. behind a
         # transaction-pooling pgbouncer)
