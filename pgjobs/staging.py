@@ -612,23 +612,8 @@ def _add_key_sql(target: Target, ident: sql.Identifier) -> sql.Composed:
 
 
 def _add_key(conn: Connection, target: Target, ident: sql.Identifier) -> None:
-    key = ", ".join(target.key)
-    try:
-        with driver(conn).transaction():
-            execute(conn, _add_key_sql(target, ident))
-    except psycopg.errors.UniqueViolation as exc:
-        detail = exc.diag.message_detail or ""
-        raise JobError(
-            f"target {target.label}: the new rows repeat the diff key ({key}): {detail} "
-            f"Nothing was written.",
-            sqlstate=exc.sqlstate,
-        ) from exc
-    except psycopg.errors.NotNullViolation as exc:
-        raise JobError(
-            f"target {target.label}: a new row has NULL in the diff key ({key}), column "
-            f"{exc.diag.column_name}. Nothing was written.",
-            sqlstate=exc.sqlstate,
-        ) from exc
+    with _key_errors(target), driver(conn).transaction():
+        execute(conn, _add_key_sql(target, ident))
 
 
 __all__ = ["ANALYZE_ROWS", "Staged", "session_name", "stage", "temp_name"]
