@@ -115,10 +115,9 @@ def test_session_stage_refuses_repeated_and_null_keys(engine):
             assert staged.rows == 1
             again = stage(conn, target, [(2, 1, 1), (2, 2, 1)], session=True)
             assert again.table == staged.table and again.rows == 2
-            count = conn.exec_driver_sql(
-                f"select count(*) from {again.table.as_string(None)}"
-            ).scalar()
-            assert count == 2
+            pg = conn.connection.driver_connection
+            count = pg.execute(sql.SQL("select count(*) from {}").format(again.table)).fetchone()
+            assert count == (2,)
 
 
 def test_session_stage_of_sql_text_binds_escapes_and_refuses_repeated_keys(engine):
@@ -141,10 +140,9 @@ def test_session_stage_of_sql_text_binds_escapes_and_refuses_repeated_keys(engin
                 session=True,
             )
             assert staged.columns == ("parent_id", "n", "v") and staged.rows == 2
-            got = conn.exec_driver_sql(
-                f"select * from {staged.table.as_string(None)} order by 1"
-            ).all()
-            assert [tuple(r) for r in got] == [(4, 1, None), (5, 2, None)]
+            pg = conn.connection.driver_connection
+            got = pg.execute(sql.SQL("select * from {} order by 1").format(staged.table)).fetchall()
+            assert got == [(4, 1, None), (5, 2, None)]
 
 
 def test_reflection_is_cached_until_the_definition_changes(engine):
@@ -274,3 +272,24 @@ def test_many_rows_of_gone_parents_in_a_session_diff(engine):
     assert result.stats.skipped_missing_parent == 400
     assert result.stats.updated == 100 and result.stats.inserted == 100
     assert rows(engine) == [(k, n, 1) for k in range(1, 101) for n in (1, 2)]
+
+
+def test_staging_analyzes_with_a_small_sample_and_gives_the_setting_back(engine):
+    """pgjobs' temp tables are analyzed at statistics target 10; the caller's
+    own default_statistics_target is what it was afterwards."""
+    run_sql(engine, SCHEMA)
+    with engine.connect() as conn, conn.begin():
+        conn.exec_driver_sql("set local default_statistics_target = 77")
+        target = reflect_target(conn, "derived")
+        staged = stage(
+            conn, target, "select p as parent_id, 1 as n, p as v from generate_series(1, 2000) p"
+        )
+        pg = conn.connection.driver_connection
+        histogram = pg.execute(
+            "select cardinality(histogram_bounds::text::text[]) from pg_stats"
+            " where tablename = %s and attname = 'parent_id'",
+            (staged.name,),
+        ).fetchone()
+        setting = conn.exec_driver_sql("show default_statistics_target").scalar()
+    assert histogram == (11,)  # target 10: ten buckets
+    assert setting == "77"
