@@ -365,14 +365,6 @@ def _analyze(conn: Connection, *idents: sql.Identifier) -> None:
         execute(conn, analyze(ident))
 
 
-def _analyze_derived(conn: Connection, plan: _Plan, *idents: sql.Identifier) -> None:
-    """Analyze sets derived from the difference when the difference itself
-    was (they are at most twice its size); small ones are planned from their
-    size, and small passes use keyed plans anyway."""
-    if plan.analyzed:
-        _analyze(conn, *idents)
-
-
 # -- step 1: the difference ------------------------------------------------------------
 def _build_diff(
     conn: Connection, plan: _Plan, chunk_parents: int | None
@@ -645,6 +637,12 @@ class _Locked:
     dead: int = 0  #: parents gone
     waits: int = 0
     bad: int = 0  #: rows skipped or deferred (in the bad table)
+    #: of those: skipped (a parent gone), deferred (a parent busy; staged rows
+    #: and deletes), and rows of the difference planned as updates
+    skipped: int = 0
+    deferred: int = 0
+    deferred_deletes: int = 0
+    bad_updates: int = 0
     #: when the locking pass that was kept began (row locks held from then on)
     since: float = 0.0
 
@@ -747,7 +745,8 @@ def _index_bad(conn: Connection, plan: _Plan, rows: int) -> Iterator[None]:
         yield
         return
     index = _index_name(plan.bad)
-    execute(
+    # goes out with the writes
+    _defer(
         conn,
         sql.SQL("create index if not exists {} on {} ({})").format(
             index, plan.bad, _ids(plan.kc())
@@ -786,16 +785,19 @@ def _lock_pass(
             continue
         # Missing: gone (deleted and committed) or busy (locked by another
         # transaction, most likely deleting it right now).
-        execute(
+        # The missing keys, and how many of them are busy: one round trip.
+        busy = _count(
             conn,
             sql.SQL(
                 # a probe per missing key (a LATERAL ... LIMIT 1 is never
                 # turned into a hash of the whole parent table)
-                "insert into {gone} ({n}, busy) "
+                "with g as (insert into {gone} ({n}, busy) "
                 "select m.*, x.found is not null "
                 "from (select {n} from {need} except select {n} from {alive}) as m "
                 "left join lateral (select true as found from {parent} as p "
-                "                   where ({pcp}) = ({mn}) limit 1) as x on true"
+                "                   where ({pcp}) = ({mn}) limit 1) as x on true "
+                "returning busy) "
+                "select count(*) filter (where busy) from g"
             ).format(
                 gone=plan.gone[i],
                 n=_ids(n),
@@ -806,7 +808,6 @@ def _lock_pass(
                 alive=plan.alive[i],
             ),
         )
-        busy = _count(conn, sql.SQL("select count(*) from {} where busy").format(plan.gone[i]))
         out.append((needs[i] - got, busy))
     return out
 
@@ -942,8 +943,32 @@ def _lock_parents(
     if plan.self_ref is not None:
         _resolve_self_reference(conn, plan)
     if result.busy or result.dead or plan.self_ref is not None:
-        result.bad = _count(conn, sql.SQL("select count(*) from {}").format(plan.bad))
+        _count_bad(conn, plan, chunk, result)
     return result
+
+
+def _count_bad(conn: Connection, plan: _Plan, chunk: int | None, result: _Locked) -> None:
+    """What the ``bad`` table holds, in one query (the writes need it)."""
+    row = execute(
+        conn,
+        sql.SQL(
+            "select count(*), coalesce(sum((not defer)::int), 0), "
+            "coalesce(sum((defer and op is distinct from 'd')::int), 0), "
+            "coalesce(sum((defer and op = 'd')::int), 0), "
+            "(select count(*) from {bad} as b join {d} as d on {on} "
+            " where d.op = 'u' and {where}) "
+            "from {bad}"
+        ).format(
+            bad=plan.bad,
+            d=plan.d,
+            on=_eq("b", plan.kc(), "d", plan.kc()),
+            where=_chunk_filter("d", chunk),
+        ),
+    ).fetchone()
+    assert row is not None
+    result.bad, result.skipped, result.deferred, result.deferred_deletes, result.bad_updates = (
+        int(v) for v in row
+    )
 
 
 def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
@@ -979,14 +1004,16 @@ def _mark_bad(conn: Connection, plan: _Plan, chunk: int | None) -> None:
                 w=_chunk_filter("d", chunk),
             )
         )
-    execute(
+    # Sent with the next statement (the count of bad rows): one round trip.
+    _defer(
         conn,
         sql.SQL(
             "insert into {bad} select {k}, bool_or(defer), min(op) from ({u}) as b ({k}, defer, op) "
             "group by {k}"
         ).format(bad=plan.bad, k=_ids(kc), u=sql.SQL(" union all ").join(parts)),
     )
-    _analyze_derived(conn, plan, plan.bad)
+    if plan.analyzed:
+        _defer(conn, analyze(plan.bad))
 
 
 def _resolve_self_reference(conn: Connection, plan: _Plan) -> None:
@@ -1087,23 +1114,36 @@ class _Written:
 
 
 def _write_rows(
-    conn: Connection, plan: _Plan, chunk: int | None, has_bad: bool, planned: dict[str, int]
+    conn: Connection, plan: _Plan, chunk: int | None, locked: _Locked, planned: dict[str, int]
 ) -> _Written:
-    """Step 3 for one pass; ``planned``: this pass's rows in the difference by op."""
-    out = _Written()
+    """Step 3 for one pass; ``planned``: this pass's rows in the difference by
+    op, ``locked``: what step 2 found (the rows in ``bad``).
+
+    The delete, update and insert go out in one round trip: they are the
+    heart of the row-lock window, which should hold no waiting for the
+    network. Only an update that finds fewer rows than planned takes another
+    (see below)."""
+    out = _Written(
+        skipped=locked.skipped,
+        deferred=locked.deferred,
+        deferred_deletes=locked.deferred_deletes,
+    )
     t = plan.target
     kc = plan.kc()
     key = plan.key
+    has_bad = locked.bad > 0
     where = _chunk_filter("d", chunk)
     not_bad: sql.Composable = (
         sql.SQL("not exists (select from {} as b where {})").format(plan.bad, _eq("b", kc, "d", kc))
         if has_bad
         else sql.SQL("true")
     )
+    columns = _ids(plan.columns)
+    d_columns = _ids([plan.c[c] for c in plan.columns], "d")
 
-    def delete() -> None:
+    def delete() -> sql.Composable | None:
         if not planned["d"] and not has_bad:
-            return
+            return None
         victims: sql.Composable = sql.SQL(
             "select {} from {} as d where d.op = 'd' and {} and {}"
         ).format(_ids(kc, "d"), plan.d, where, not_bad)
@@ -1116,107 +1156,84 @@ def _write_rows(
         # The two victim sets are disjoint (bad 'd' rows are only ever
         # deferred), so a join: the victims drive, the key index finds rows.
         vk = [f"k{j}" for j in range(len(key))]
-        out.deleted += execute(
-            conn,
-            sql.SQL("delete from {t} as t using ({v}) as v ({vk}) where {on}").format(
-                t=t.ident, v=victims, vk=_ids(vk), on=_eq("t", key, "v", vk)
-            ),
-        ).rowcount
+        return sql.SQL("delete from {t} as t using ({v}) as v ({vk}) where {on}").format(
+            t=t.ident, v=victims, vk=_ids(vk), on=_eq("t", key, "v", vk)
+        )
 
-    def update() -> None:
-        if not plan.values:
-            return
+    # rows of the difference the update should find
+    expected_updates = planned["u"] - locked.bad_updates
+
+    def update() -> sql.Composable | None:
+        if not plan.values or not expected_updates:
+            return None
         sets = sql.SQL(", ").join(
             sql.SQL("{} = {}").format(sql.Identifier(v), sql.Identifier("d", plan.c[v]))
             for v in plan.values
         )
         vc = [plan.c[v] for v in plan.values]
-        expected_rows = planned["u"]
-        if expected_rows and has_bad:
-            expected_rows = _count(
-                conn,
-                sql.SQL("select count(*) from {} as d where d.op = 'u' and {} and {}").format(
-                    plan.d, where, not_bad
-                ),
-            )
-        if not expected_rows:
-            return
         # Compared again at write time: a row that already holds the new values
         # is not touched (its triggers do not fire).
-        out.updated += execute(
-            conn,
-            sql.SQL(
-                "update {t} as t set {sets} from {d} as d "
-                "where d.op = 'u' and {on} and {where} and {nb} and {distinct}"
-            ).format(
-                t=t.ident,
-                sets=sets,
-                d=plan.d,
-                on=_eq("t", key, "d", kc),
-                where=where,
-                nb=not_bad,
-                distinct=plan.distinct("t", plan.values, "d", vc),
-            ),
-        ).rowcount
-        if out.updated < expected_rows:
-            # Fewer rows than planned: some already held the new values, or
-            # were deleted since the difference was taken (their old parent
-            # was deleted, cascading). The latter are inserted: the target
-            # must hold every new row whose parents are alive.
-            out.inserted += execute(
-                conn,
-                sql.SQL(
-                    "insert into {t} ({cols}) select {dc} from {d} as d "
-                    "where d.op = 'u' and {where} and {nb} "
-                    "and not exists (select from {t} as t where {on})"
-                ).format(
-                    t=t.ident,
-                    cols=_ids(plan.columns),
-                    dc=_ids([plan.c[c] for c in plan.columns], "d"),
-                    d=plan.d,
-                    where=where,
-                    nb=not_bad,
-                    on=_eq("t", key, "d", kc),
-                ),
-            ).rowcount
+        return sql.SQL(
+            "update {t} as t set {sets} from {d} as d "
+            "where d.op = 'u' and {on} and {where} and {nb} and {distinct}"
+        ).format(
+            t=t.ident,
+            sets=sets,
+            d=plan.d,
+            on=_eq("t", key, "d", kc),
+            where=where,
+            nb=not_bad,
+            distinct=plan.distinct("t", plan.values, "d", vc),
+        )
 
-    def insert() -> None:
+    def insert() -> sql.Composable | None:
         if not planned["i"]:
-            return
+            return None
+        return sql.SQL(
+            "insert into {t} ({cols}) select {dc} from {d} as d "
+            "where d.op = 'i' and {where} and {nb}"
+        ).format(t=t.ident, cols=columns, dc=d_columns, d=plan.d, where=where, nb=not_bad)
+
+    # Without a self-reference: delete, update, insert. With one, a row's
+    # self-parent must exist before it is written and outlive it: inserts
+    # first, deletes last.
+    order = (
+        (("d", delete), ("u", update), ("i", insert))
+        if plan.self_ref is None
+        else (("i", insert), ("u", update), ("d", delete))
+    )
+    steps = [(op, statement) for op, make in order if (statement := make()) is not None]
+    if not steps:
+        return out
+    counts = _multi(conn, [statement for _, statement in steps])
+    for (op, _), (rowcount, _) in zip(steps, counts, strict=True):
+        if op == "d":
+            out.deleted += rowcount
+        elif op == "u":
+            out.updated += rowcount
+        else:
+            out.inserted += rowcount
+    if plan.values and out.updated < expected_updates:
+        # Fewer rows than planned: some already held the new values, or
+        # were deleted since the difference was taken (their old parent
+        # was deleted, cascading). The latter are inserted: the target
+        # must hold every new row whose parents are alive.
         out.inserted += execute(
             conn,
             sql.SQL(
                 "insert into {t} ({cols}) select {dc} from {d} as d "
-                "where d.op = 'i' and {where} and {nb}"
+                "where d.op = 'u' and {where} and {nb} "
+                "and not exists (select from {t} as t where {on})"
             ).format(
                 t=t.ident,
-                cols=_ids(plan.columns),
-                dc=_ids([plan.c[c] for c in plan.columns], "d"),
+                cols=columns,
+                dc=d_columns,
                 d=plan.d,
                 where=where,
                 nb=not_bad,
+                on=_eq("t", key, "d", kc),
             ),
         ).rowcount
-
-    if plan.self_ref is None:
-        delete()
-        update()
-        insert()
-    else:
-        insert()
-        update()
-        delete()
-    if has_bad:
-        rows = execute(
-            conn,
-            sql.SQL(
-                "select coalesce(sum((not defer)::int), 0), "
-                "coalesce(sum((defer and op is distinct from 'd')::int), 0), "
-                "coalesce(sum((defer and op = 'd')::int), 0) from {bad}"
-            ).format(bad=plan.bad),
-        ).fetchone()
-        assert rows is not None
-        out.skipped, out.deferred, out.deferred_deletes = int(rows[0]), int(rows[1]), int(rows[2])
     return out
 
 
@@ -1329,7 +1346,7 @@ def _write(
         keyed = _keyed_pass(sum(per_chunk[chunk].values()), target_rows)
         locked = _lock_parents(conn, plan, chunk, wait_busy, keyed)
         with _keyed_plans(conn, keyed), _index_bad(conn, plan, locked.bad):
-            written = _write_rows(conn, plan, chunk, locked.bad > 0, per_chunk[chunk])
+            written = _write_rows(conn, plan, chunk, locked, per_chunk[chunk])
         # Row locks are held from the kept locking pass on (a wait for a busy
         # parent before it held none) to the end of the writes.
         held = time.perf_counter() - locked.since
