@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RootTransaction
 
 Params = Sequence[Any] | Mapping[str, Any] | None
 
@@ -26,6 +26,22 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     return raw
+
+
+def abandon(conn: Connection, trans: RootTransaction) -> None:
+    """Roll ``trans`` back, and the driver's transaction with it.
+
+    After a statement failed in a psycopg pipeline, or a COMMIT sent in one,
+    SQLAlchemy may see its transaction as over while the server still holds
+    an aborted one: the connection's next ``begin()`` would then fail."""
+    raw = conn.connection.driver_connection
+    trans.rollback()
+    if (
+        isinstance(raw, psycopg.Connection)
+        and not raw.closed
+        and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    ):
+        raw.rollback()
 
 
 def execute(

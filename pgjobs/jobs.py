@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .results import DiffStats, Execution
 
 if TYPE_CHECKING:
+    from psycopg import sql
     from sqlalchemy.engine import Connection
 
     from .runner import RunContext
@@ -173,6 +174,12 @@ class Job:
     def check_work(self, conn: Connection, ctx: RunContext) -> bool:
         """Step 2 of the run protocol, in a short read-only transaction."""
         return True if self.has_work is None else bool(self.has_work(conn))
+
+    def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
+        """Step 2 as one statement answering one boolean, when it is one: the
+        runner sends it in the round trip that reads the job's state (and
+        commits). ``None``: :meth:`check_work` is called instead."""
+        return None
 
     def execute(self, conn: Connection, ctx: RunContext) -> Execution:
         """Step 4: the job's body, inside the job transaction, lock held."""
@@ -347,6 +354,13 @@ class QueueJob(_DiffJob):
         from .queue import has_pending
 
         return has_pending(conn, self, ctx)
+
+    def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
+        if self.has_work is not None:
+            return None
+        from .queue import pending_query
+
+        return pending_query(self, ctx)
 
     def execute(self, conn: Connection, ctx: RunContext) -> Execution:
         from .queue import run_queue

@@ -72,6 +72,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -111,6 +112,12 @@ _MAX_SAVEPOINTS = 48
 
 #: batches with more keys than this get their keys table analyzed
 _ANALYZE_KEYS = 1000
+
+#: the queue is vacuumed after this many entries were taken off it (see vacuum_queue)
+VACUUM_EVERY = 1000
+_deleted_lock = threading.Lock()
+#: entries this process took off each schema's queue since it last vacuumed it
+_deleted: dict[str, int] = {}
 
 # SQLSTATEs that say nothing about an item: the run fails and is retried as a whole.
 _RUN_LEVEL_CLASSES = ("08", "40", "53", "57", "58", "XX")
@@ -354,19 +361,58 @@ def queue_stats(conn: AnyConnection, *, schema: str = DEFAULT_SCHEMA) -> list[Qu
     ]
 
 
+# -- upkeep ------------------------------------------------------------------------
+def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
+    """``VACUUM`` the queue table, on ``conn`` outside any transaction.
+
+    Workers take entries off the queue in key order, so its indexes fill
+    with dead entries ahead of the live ones, and every ``has_work`` probe
+    and claim steps over all of them until a vacuum clears them. Autovacuum
+    looks at a table once a minute at best; a queue drained at thousands of
+    items a second would grow that prefix to hundreds of thousands of
+    entries (measured: the probe went from 0.04 to 2.5 ms over 15,000).
+    So a worker vacuums the queue itself after every :data:`VACUUM_EVERY`
+    entries it took off (about 1-3 ms each time here). ``SKIP_LOCKED``: when
+    another vacuum of the table runs, this one does nothing. A role that
+    does not own the table gets a warning from PostgreSQL and nothing else.
+    """
+    raw = conn.connection.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise PgJobsError("vacuum_queue: the connection is inside a transaction")
+    raw.autocommit = True
+    try:
+        raw.execute(sql.SQL("vacuum (skip_locked) {}").format(_queue_table(schema)))
+    finally:
+        raw.autocommit = False
+
+
+def _count_deleted(ctx: RunContext, n: int) -> None:
+    """Count ``n`` entries taken off the queue; at :data:`VACUUM_EVERY`, vacuum
+    it once this tick has committed."""
+    schema = ctx.store.schema
+    with _deleted_lock:
+        total = _deleted.get(schema, 0) + n
+        due = total >= VACUUM_EVERY
+        _deleted[schema] = 0 if due else total
+    if due:
+        ctx.after_commit.append(lambda conn: vacuum_queue(conn, schema=schema))
+
+
 # -- the worker ---------------------------------------------------------------------
-def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
+def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[str]]:
     """Is a live item of ``job`` due? One index probe, taken before any lock."""
-    row = (
-        driver(conn)
-        .execute(
-            sql.SQL(
-                "select exists (select from {} where job = %s and dead_at is null and not_before <= now())"
-            ).format(_queue_table(ctx.store.schema)),
-            (job.name,),
-        )
-        .fetchone()
+    return (
+        sql.SQL(
+            "select exists (select from {} where job = %s and dead_at is null and not_before <= now())"
+        ).format(_queue_table(ctx.store.schema)),
+        (job.name,),
     )
+
+
+def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
+    """:func:`pending_query`'s answer."""
+    row = driver(conn).execute(*pending_query(job, ctx)).fetchone()
     return bool(row and row[0])
 
 
@@ -879,11 +925,12 @@ class _Worker:
             " where q.job = %s and q.key = i.item::jsonb limit 1) as e))"
         ).format(q=self.queue)
         if release is None:
-            self.raw.execute(delete, (items, self.job.name))
-            return
-        with self.raw.pipeline():
-            self.raw.execute(delete, (items, self.job.name))
-            self.raw.execute(sql.SQL("release savepoint {}").format(release))
+            deleted = self.raw.execute(delete, (items, self.job.name))
+        else:
+            with self.raw.pipeline():
+                deleted = self.raw.execute(delete, (items, self.job.name))
+                self.raw.execute(sql.SQL("release savepoint {}").format(release))
+        _count_deleted(self.ctx, max(deleted.rowcount, 0))
 
     def _record_failures(self) -> int:
         job = self.job
@@ -951,6 +998,8 @@ __all__ = [
     "has_pending",
     "install_enqueue_trigger",
     "key_json",
+    "pending_query",
     "queue_stats",
     "run_queue",
+    "vacuum_queue",
 ]

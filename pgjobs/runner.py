@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import driver, execute, set_local
+from ._pg import abandon, driver, execute, set_local
 from .database import resolve_engine
 from .errors import ConfigError
 from .jobs import Job
@@ -62,6 +62,10 @@ class RunContext:
     #: commit what is written so far and continue in a new transaction, the
     #: group still locked; only for jobs that write in chunks
     checkpoint: Callable[[], None] | None = None
+    #: called once the job's transaction has committed, on its connection
+    #: (outside any transaction); an error there is logged, and the run's
+    #: outcome stays what it was
+    after_commit: list[Callable[[Connection], None]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
@@ -190,16 +194,22 @@ class Runner:
         )
 
         # 1. Due? and 2. Work? One short read-only transaction, no lock.
-        with conn.begin():
-            state = self.store.read_state(conn, job.name, settings=_READ_ONLY)
+        quick = self._due_and_work(conn, job, ctx)
+        if quick is not None:
+            state, has_work = quick
             blocked = None if force else self._not_due(job, state, started)
-            if blocked is None:
-                try:
-                    has_work = job.check_work(conn, ctx)
-                except Exception as exc:
-                    error: Exception | None = exc
-                else:
-                    error = None
+            error: Exception | None = None
+        else:
+            with conn.begin():
+                state = self.store.read_state(conn, job.name, settings=_READ_ONLY)
+                blocked = None if force else self._not_due(job, state, started)
+                if blocked is None:
+                    try:
+                        has_work = job.check_work(conn, ctx)
+                    except Exception as exc:
+                        error = exc
+                    else:
+                        error = None
         if blocked is not None:
             return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
         if error is not None:
@@ -260,16 +270,52 @@ class Runner:
             assert row is not None
             run_id = int(row[0])
         except Exception as exc:
-            if trans.is_active:
-                trans.rollback()
+            abandon(conn, trans)
             return self._fail(conn, job, state, started, exc)
         finally:
             if session_locked:
                 self._release_session_lock(conn, job)
         log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
+        for action in ctx.after_commit:
+            try:
+                action(conn)
+            except Exception:
+                log.warning(
+                    "pgjobs: %s: after its commit: %s failed", job.name, action, exc_info=True
+                )
+                if conn.in_transaction():
+                    conn.rollback()
         return _with_run_id(result, run_id)
 
     # -- helpers -------------------------------------------------------------
+    def _due_and_work(
+        self, conn: Connection, job: Job, ctx: RunContext
+    ) -> tuple[JobState | None, bool] | None:
+        """Steps 1 and 2 in one round trip (BEGIN, the state, the job's
+        :meth:`~pgjobs.jobs.Job.work_query`, COMMIT), for jobs whose check is
+        one statement; whether the job is due is decided after it (the check
+        is an index probe: asking it of a job that is not due costs less
+        than a round trip). ``None``: the job has no such statement, or
+        something failed; the caller then takes the two steps one by one,
+        which says what failed."""
+        query = job.work_query(ctx)
+        if query is None:
+            return None
+        statement, params = query
+        trans = conn.begin()
+        try:
+            raw = driver(conn)
+            with raw.pipeline():
+                state_cur = raw.execute(*self.store.state_query(job.name, settings=_READ_ONLY))
+                work_cur = raw.execute(statement, params)
+                trans.commit()
+            work = work_cur.fetchone()
+            return self.store.state_from_row(job.name, state_cur.fetchone()), bool(work and work[0])
+        except Exception:
+            abandon(conn, trans)
+            log.debug("pgjobs: %s: the one-round-trip check failed", job.name, exc_info=True)
+            return None
+
     def _not_due(self, job: Job, state: JobState | None, now: datetime) -> Outcome | None:
         if state is None or state.next_attempt_at is None:
             return None

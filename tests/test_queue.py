@@ -1001,3 +1001,51 @@ def test_claim_needs_finish_and_has_work(db):
         make_job(finish=lambda conn, d, f: None)
     with pytest.raises(pgjobs.ConfigError, match="claim: expected a callable"):
         make_job(claim="select 1", finish=lambda conn, d, f: None, has_work=lambda c: True)
+
+
+def vacuum_count(engine):
+    with engine.connect() as conn:
+        return conn.execute(
+            text("select pg_stat_get_vacuum_count('pgjobs.queue'::regclass)")
+        ).scalar_one()
+
+
+def test_the_worker_vacuums_the_queue_after_every_so_many_entries_it_took_off(db, monkeypatch):
+    # Dead entries ahead of the live ones would make every has_work probe and
+    # claim step over them until autovacuum comes (a minute, at best).
+    monkeypatch.setattr(pgjobs.queue, "VACUUM_EVERY", 25)
+    monkeypatch.setattr(pgjobs.queue, "_deleted", {})
+    add_parents(db, range(1, 41))
+    job = make_job(batch_size=10)
+    push(db, job, range(1, 41))
+    before = vacuum_count(db)
+    with pgjobs.Runner(db) as runner:
+        counts = []
+        for _ in range(4):
+            assert runner.tick(job, force=True).items == 10
+            counts.append(vacuum_count(db) - before)
+    # 10, 20, 30 (vacuum, counter back to 0), 10
+    assert counts == [0, 0, 1, 1]
+    assert derived(db) == from_scratch(db)
+
+
+def test_a_failing_vacuum_after_the_commit_leaves_the_run_and_the_connection_fine(
+    db, monkeypatch, caplog
+):
+    def broken(conn, *, schema):
+        conn.exec_driver_sql("select no_such_function()")
+
+    monkeypatch.setattr(pgjobs.queue, "VACUUM_EVERY", 1)
+    monkeypatch.setattr(pgjobs.queue, "vacuum_queue", broken)
+    add_parents(db, [1, 2])
+    job = make_job()
+    push(db, job, [1])
+    with pgjobs.Runner(db) as runner:
+        first = runner.tick(job, force=True)
+        push(db, job, [2])
+        second = runner.tick(job, force=True)
+    assert (first.outcome, first.items) == ("ran", 1)
+    assert (second.outcome, second.items) == ("ran", 1)
+    assert "after its commit" in caplog.text and "no_such_function" in caplog.text
+    assert derived(db) == from_scratch(db)
+    assert queue_rows(db) == []

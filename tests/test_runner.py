@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import signal
@@ -13,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from psycopg import sql
 from sqlalchemy import text
 
 import pgjobs
@@ -125,6 +127,50 @@ def test_has_work_runs_read_only(items):
     with pgjobs.Runner(items) as runner:
         result = runner.tick(job)
     assert result.outcome == "failed" and result.sqlstate == "25006"  # read_only_sql_transaction
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QueryChecked(pgjobs.TaskJob):
+    """A job whose work check is one statement (as a built-in queue's is)."""
+
+    work_sql: str = "select true"
+
+    def work_query(self, ctx):
+        return sql.SQL(self.work_sql), ()
+
+
+def test_a_one_statement_work_check_decides_idle_or_ran_with_the_state_read(items):
+    clock = FakeClock()
+    with pgjobs.Runner(items, clock=clock) as runner:
+        idle = runner.tick(
+            QueryChecked(name="q", run=insert_items(1), work_sql="select count(*) > 0 from item")
+        )
+        ran = runner.tick(QueryChecked(name="q", run=insert_items(2), work_sql="select true"))
+        # the state still decides first: ran a moment ago, every 60 s
+        clock.advance(seconds=10)
+        not_due = runner.tick(QueryChecked(name="q", run=insert_items(3), every="60s"))
+    assert (idle.outcome, ran.outcome, not_due.outcome) == ("idle", "ran", "not_due")
+    assert runs(items, "q") == [("idle", 0), ("ran", 2), ("not_due", 0)]
+
+
+def test_a_work_statement_that_fails_falls_back_to_check_work_read_only(items):
+    def has_work(conn):
+        return conn.execute(text("select count(*) > 0 from item")).scalar_one()
+
+    # The statement writes: refused in the read-only check, so the runner
+    # asks check_work (has_work), which finds nothing to do.
+    sneaky = QueryChecked(
+        name="s",
+        run=insert_items(1),
+        has_work=has_work,
+        work_sql="insert into item values (1, 'sneaky') returning true",
+    )
+    broken = QueryChecked(name="b", run=insert_items(1), work_sql="select no_such_column")
+    with pgjobs.Runner(items) as runner:
+        assert runner.tick(sneaky).outcome == "idle"
+        assert runner.tick(broken).outcome == "ran"  # TaskJob.check_work: no has_work, so True
+    with items.connect() as conn:
+        assert conn.execute(text("select id, note from item")).all() == [(1, "x")]
 
 
 def test_job_settings_apply_to_the_job_transaction_only(items):
