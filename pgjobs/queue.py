@@ -491,7 +491,7 @@ class _Worker:
         self._savepoints = 0
         #: a queue of the plugin's own (job.claim): item text -> its key as claimed
         self.own: dict[str, tuple[Any, ...]] | None = None
-        #: ... and the items dropped because their parent is gone
+        #: the items dropped because their parent is gone
         self.dropped: list[str] = []
 
     # -- savepoints -------------------------------------------------------------
@@ -520,7 +520,7 @@ class _Worker:
         for item, exc in unreadable.items():
             self.batch.failed[item] = exc
         if gone:
-            self._drop(gone)
+            self.dropped.extend(gone)
             log.info(
                 "pgjobs: %s: dropped %d item(s) whose parent is gone", self.job.name, len(gone)
             )
@@ -529,8 +529,10 @@ class _Worker:
         dead = 0
         if self.own is not None:
             self._finish_own()
-        elif self.batch.failed:
-            dead = self._record_failures()
+        else:
+            self._delete([*self.dropped, *self.batch.done])
+            if self.batch.failed:
+                dead = self._record_failures()
         b = self.batch
         return Execution(
             stats=b.stats,
@@ -900,37 +902,28 @@ class _Worker:
             return
         if self.job.after is not None:
             self.job.after(self.conn, keys, result.stats)
-        if self.own is None:
-            self._delete(items, release=savepoint)
-        else:
-            self._release(savepoint)  # finish() takes them off the plugin's queue
+        # The savepoint stays open (the commit releases it): a round trip
+        # saved. Should a later sub-batch fail, it is rolled back to its own.
         b.done.extend(items)
 
-    def _drop(self, items: list[str]) -> None:
-        """Items whose parent is gone: nothing to write, off the queue."""
-        if self.own is None:
-            self._delete(items)
-        else:
-            self.dropped.extend(items)
-
-    def _delete(self, items: list[str], *, release: sql.Identifier | None = None) -> None:
+    def _delete(self, items: list[str]) -> None:
+        """Take ``items`` (processed, or their parent gone) off the queue, with
+        the commit: the statement goes out in the runner's last round trip,
+        before the run record and COMMIT. Their entries stay locked by this
+        transaction until then."""
+        if not items:
+            return
         # One primary-key probe per entry, then a TID scan: "key = any(...)"
         # may be planned as a scan of the job's whole queue (stale statistics
         # on a table that churns). The entries are locked by this transaction,
         # so their ctid cannot change between the probe and the delete.
-        # ``release``: a savepoint to release after it, in the same round trip.
         delete = sql.SQL(
             "delete from {q} where ctid = any(array(select e.ctid"
             " from unnest(%s::text[]) as i(item), lateral (select q.ctid from {q} as q"
             " where q.job = %s and q.key = i.item::jsonb limit 1) as e))"
         ).format(q=self.queue)
-        if release is None:
-            deleted = self.raw.execute(delete, (items, self.job.name))
-        else:
-            with self.raw.pipeline():
-                deleted = self.raw.execute(delete, (items, self.job.name))
-                self.raw.execute(sql.SQL("release savepoint {}").format(release))
-        _count_deleted(self.ctx, max(deleted.rowcount, 0))
+        self.ctx.before_commit.append((delete, (items, self.job.name)))
+        _count_deleted(self.ctx, len(items))
 
     def _record_failures(self) -> int:
         job = self.job

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import abandon, driver, execute, set_local
+from ._pg import Params, abandon, driver, execute, set_local
 from .database import resolve_engine
 from .errors import ConfigError
 from .jobs import Job
@@ -62,6 +63,9 @@ class RunContext:
     #: commit what is written so far and continue in a new transaction, the
     #: group still locked; only for jobs that write in chunks
     checkpoint: Callable[[], None] | None = None
+    #: statements (with parameters) the runner sends right before the job's
+    #: COMMIT, in the same round trip: writes whose results nobody waits for
+    before_commit: list[tuple[sql.Composed, Params]] = field(default_factory=list)
     #: called once the job's transaction has committed, on its connection
     #: (outside any transaction); an error there is logged, and the run's
     #: outcome stays what it was
@@ -249,6 +253,7 @@ class Runner:
 
                 def checkpoint() -> None:
                     nonlocal trans
+                    _send_before_commit(conn, ctx)
                     trans.commit()
                     trans = conn.begin()
                     execute(conn, *set_local(_job_settings(job)))
@@ -262,6 +267,7 @@ class Runner:
             # the run record (with the success state) and COMMIT: one round trip
             raw = driver(conn)
             with raw.pipeline():
+                _send_before_commit(conn, ctx)
                 recorded = raw.execute(
                     *self.store.run_query(result, self.worker, success_next_attempt=next_attempt)
                 )
@@ -446,6 +452,14 @@ class Runner:
             self.store.ensure(conn)
             with conn.begin():
                 return self.store.prune(conn, keep=keep, now=self.clock())
+
+
+def _send_before_commit(conn: Connection, ctx: RunContext) -> None:
+    """Send (and forget) the statements the job left for its commit."""
+    raw = driver(conn)
+    statements, ctx.before_commit = ctx.before_commit, []
+    for statement, params in statements:
+        raw.execute(statement, params)
 
 
 def _with_run_id(result: RunResult, run_id: int) -> RunResult:
