@@ -1441,7 +1441,13 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         )
     if chunked:
         _drop_leftovers(conn)
-    target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
+    target = reflect_target(
+        conn,
+        job.target,
+        key=job.key,
+        parents=job.parents,
+        prefetched=ctx.extra.pop("fingerprint", None),
+    )
     ctx.report("compute", None, None)
     source = job.compute if isinstance(job.compute, str) else job.compute(conn)
     ctx.report("stage", None, None)

@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .results import DiffStats, Execution
 
 if TYPE_CHECKING:
+    import psycopg
     from psycopg import sql
     from sqlalchemy.engine import Connection
 
@@ -175,6 +176,11 @@ class Job:
         """Step 2 of the run protocol, in a short read-only transaction."""
         return True if self.has_work is None else bool(self.has_work(conn))
 
+    def prefetch(self, raw: psycopg.Connection[Any], ctx: RunContext) -> None:
+        """Step 3: send what the job's body will need first, in the round trip
+        that takes the group lock (inside that pipeline; results are read in
+        :meth:`execute`, through ``ctx.extra``). Nothing by default."""
+
     def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, when it is one: the
         runner sends it in the round trip that reads the job's state (and
@@ -240,6 +246,12 @@ class _DiffJob(Job):
 
     def _default_group(self) -> str:
         return self.target or self.name
+
+    def prefetch(self, raw: psycopg.Connection[Any], ctx: RunContext) -> None:
+        # the reflection cache's catalog check (see reflect_target)
+        from .target import send_fingerprint
+
+        ctx.extra["fingerprint"] = send_fingerprint(raw, self.target, self.parents)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -467,7 +467,13 @@ class _Worker:
         self.job = job
         self.ctx = ctx
         self.queue = _queue_table(ctx.store.schema)
-        self.target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
+        self.target = reflect_target(
+            conn,
+            job.target,
+            key=job.key,
+            parents=job.parents,
+            prefetched=ctx.extra.pop("fingerprint", None),
+        )
         missing = [c for c in job.scope if c not in self.target.types]
         if missing:
             raise ConfigError(

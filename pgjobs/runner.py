@@ -237,6 +237,7 @@ class Runner:
                 state_row = raw.execute(
                     *self.store.state_query(job.name, settings=_job_settings(job))
                 )
+                job.prefetch(raw, ctx)
             locked = lock.fetchone()
             if not (locked and locked[0]):
                 trans.rollback()

@@ -10,7 +10,7 @@ declares where no foreign key says so).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,16 +299,42 @@ _REFLECTED_SIZE = 256
 _GENERIC_PLAN, _PLAN_BACK = swap_settings({"plan_cache_mode": "force_generic_plan"})
 
 
+#: reads a fingerprint sent ahead (see :func:`send_fingerprint`)
+Prefetched = Callable[[], Any]
+
+
+def _send_fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Prefetched:
+    for statement in _GENERIC_PLAN:
+        pg.execute(statement)
+    # prepared as the connection prepares (psycopg's prepare_threshold:
+    # after 5 runs by default; never where it is None, e.g. behind a
+    # transaction-pooling pgbouncer)
+    cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]})
+    pg.execute(_PLAN_BACK)
+    return cur.fetchone
+
+
 def _fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Any:
     with pg.pipeline():
-        for statement in _GENERIC_PLAN:
-            pg.execute(statement)
-        # prepared as the connection prepares (psycopg's prepare_threshold:
-        # after 5 runs by default; never where it is None, e.g. behind a
-        # transaction-pooling pgbouncer)
-        cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]})
-        pg.execute(_PLAN_BACK)
-    return cur.fetchone()
+        read = _send_fingerprint(pg, names)
+    return read()
+
+
+def _names(pg: psycopg.Connection[Any], target: str, parents: Sequence[Parent]) -> list[str]:
+    try:
+        return [qualified(n).as_string(pg) for n in (target, *(p.table for p in parents))]
+    except ValueError:
+        return []  # _resolve raises the error
+
+
+def send_fingerprint(
+    pg: psycopg.Connection[Any], target: str, parents: Sequence[Parent] = ()
+) -> Prefetched | None:
+    """Send :func:`reflect_target`'s catalog check ahead, on ``pg`` inside the
+    caller's pipeline (the runner's lock round trip); pass what this returns
+    to ``reflect_target(..., prefetched=)``, in the same transaction."""
+    names = _names(pg, target, parents)
+    return _send_fingerprint(pg, names) if names else None
 
 
 def reflect_target(
@@ -317,6 +343,7 @@ def reflect_target(
     *,
     key: Sequence[str] | None = None,
     parents: Sequence[Parent] = (),
+    prefetched: Prefetched | None = None,
 ) -> Target:
     """Read ``target``'s definition from the catalog.
 
@@ -329,6 +356,7 @@ def reflect_target(
     NOT NULL and covered by a unique index (a unique constraint or index on
     those columns or on a subset of them). ``parents``: parents no foreign
     key declares; they are locked and checked like reflected ones.
+    ``prefetched``: the catalog check, sent ahead by :func:`send_fingerprint`.
 
     Generated columns and identity columns are never written (identity
     columns ``BY DEFAULT`` are, when they are part of the key: the new rows
@@ -349,13 +377,10 @@ def reflect_target(
         tuple(parents),
     )
     fingerprint: Any = None
-    try:
-        names = [qualified(n).as_string(pg) for n in (target, *(p.table for p in parents))]
-    except ValueError:
-        names = []  # _resolve raises the error
+    names = _names(pg, target, parents)
     if names:
         # taken before the reflection: a change in between reflects again next time
-        fingerprint = _fingerprint(pg, names)
+        fingerprint = prefetched() if prefetched is not None else _fingerprint(pg, names)
         cached = _reflected.get(cache_key)
         if cached is not None and fingerprint is not None and cached[0] == fingerprint:
             return cached[1]

@@ -13,6 +13,7 @@ from sqlalchemy import create_engine
 
 import pgjobs
 from pgjobs.diff import Scope, reflect_target, stage, write_diff
+from pgjobs.target import send_fingerprint
 
 SCHEMA = """
 create table parent (id int primary key);
@@ -199,6 +200,32 @@ def test_reflection_is_cached_until_the_definition_changes(engine):
         assert seventh is not sixth and "y" in seventh.columns
     finally:
         other_engine.dispose()
+
+
+def test_a_fingerprint_sent_ahead_in_a_pipeline_validates_the_cache_the_same_way(engine):
+    # The runner sends the catalog check with the group lock (one round trip)
+    # and the job's reflection reads it.
+    run_sql(engine, SCHEMA)
+
+    def reflect_with_prefetch(conn):
+        pg = conn.connection.driver_connection
+        with pg.pipeline():
+            prefetched = send_fingerprint(pg, "derived")
+        assert prefetched is not None
+        return reflect_target(conn, "derived", prefetched=prefetched)
+
+    with engine.connect() as conn:
+        with conn.begin():
+            first = reflect_target(conn, "derived")
+            assert reflect_with_prefetch(conn) is first
+        run_sql(engine, "alter table derived add column w int")
+        with conn.begin():
+            second = reflect_with_prefetch(conn)
+        assert second is not first and "w" in second.columns
+        with conn.begin():
+            assert reflect_with_prefetch(conn) is second
+            pg = conn.connection.driver_connection
+            assert send_fingerprint(pg, "no.such.table") is None  # _resolve names the error
 
 
 def test_a_small_scope_is_read_by_key_and_a_large_one_by_join(engine):
