@@ -2,6 +2,8 @@
 
 1. **Due?**   read ``job_state``; backing off or run recently elsewhere: stop (no lock).
 2. **Work?**  ``job.check_work`` in a short read-only transaction; nothing: ``idle`` (no lock).
+   Where the check is one statement (``job.work_query``), steps 1 and 2 are
+   one round trip.
 3. **Lock.**  begin the job transaction, ``pg_try_advisory_xact_lock``; taken by
    another transaction: ``busy``, roll back at once. Re-read the state under the
    lock: a replica may have finished the job between steps 1 and 3.
