@@ -276,32 +276,112 @@ def _plain_sql(conn: Connection, clause: TextClause) -> str | None:
     return plain
 
 
+#: query text -> the column names it produced last time (session loads);
+#: bounded. Checked again at every load, in the load's own round trip.
+_names_seen: dict[str, tuple[str, ...]] = {}
+_NAMES_SEEN_SIZE = 256
+
+_SAVEPOINT_STAGE = sql.SQL("savepoint pgjobs_stage")
+_ROLLBACK_STAGE = sql.SQL("rollback to savepoint pgjobs_stage; release savepoint pgjobs_stage")
+
+
 def _stage_plain(
     conn: Connection, target: Target, query: str, params: dict[str, Any]
 ) -> tuple[str, tuple[str, ...], int]:
     """Stage compiled SQL text on the driver connection: its column names
     (planned with LIMIT 0, no row computed), then the stage table's
-    preparation and the ``INSERT ... SELECT`` in one round trip."""
+    preparation and the ``INSERT ... SELECT`` in one round trip.
+
+    Query text loaded before (a queue job's, tick after tick) takes one
+    round trip in all: it is loaded with the names it had last time, under a
+    savepoint, beside the LIMIT 0 probe that says what its names are now;
+    should they differ (DDL under a ``*``), the load is rolled back and done
+    again with the new ones."""
     raw = driver(conn)
-    probe = raw.execute(
-        sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query)), params
-    )
-    names = tuple(d.name for d in probe.description or ())
+    probe_sql = sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query))
+    seen = _names_seen.get(query)
+    if seen is not None:
+        columns = _check_columns(target, seen, "the new rows' SQL")
+        name = session_name(target, "stage", columns)
+        loaded = _load_as_seen(raw, target, name, columns, query, params, probe_sql, seen)
+        if isinstance(loaded, int):
+            return name, columns, loaded
+        names = loaded
+    else:
+        probe = raw.execute(probe_sql, params)
+        names = tuple(d.name for d in probe.description or ())
     columns = _check_columns(target, names, "the new rows' SQL")
+    if len(_names_seen) >= _NAMES_SEEN_SIZE:
+        _names_seen.clear()
+    _names_seen[query] = names
     name = session_name(target, "stage", columns)
+    with _key_errors(target), raw.pipeline():
+        inserted = _send_load(raw, target, name, names, columns, query, params)
+        repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
+    _check_repeated(target, repeated.fetchone())
+    return name, columns, max(inserted.rowcount, 0)
+
+
+def _send_load(
+    raw: psycopg.Connection[Any],
+    target: Target,
+    name: str,
+    names: tuple[str, ...],
+    columns: tuple[str, ...],
+    query: str,
+    params: dict[str, Any],
+) -> psycopg.Cursor[Any]:
+    """Send the stage table's preparation and the load (in a pipeline)."""
     # INSERT INTO stage (the query's columns, in its order) <the query>, with
     # no subquery around it: an untyped NULL or literal then takes the
     # column's type, as it would in an INSERT the user wrote.
     insert_sql = sql.SQL("insert into {} ({}) {}").format(
         sql.Identifier(name), sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
     )
-    with _key_errors(target), raw.pipeline():
-        for statement in _prepare_statements(target, name, columns):
-            raw.execute(statement)
-        inserted = raw.execute(insert_sql, params)
-        repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
+    for statement in _prepare_statements(target, name, columns):
+        raw.execute(statement)
+    return raw.execute(insert_sql, params)
+
+
+def _load_as_seen(
+    raw: psycopg.Connection[Any],
+    target: Target,
+    name: str,
+    columns: tuple[str, ...],
+    query: str,
+    params: dict[str, Any],
+    probe_sql: sql.Composed,
+    seen: tuple[str, ...],
+) -> int | tuple[str, ...]:
+    """Load ``query`` with the names ``seen`` last time: the rows loaded, or
+    the names the query has now when they differ (the load rolled back)."""
+
+    def names_now() -> tuple[str, ...] | None:
+        if probe is None or probe.pgresult is None or probe.description is None:
+            return None  # the query failed before its names were known
+        return tuple(d.name for d in probe.description)
+
+    probe: psycopg.Cursor[Any] | None = None
+    try:
+        with _key_errors(target), raw.pipeline():
+            raw.execute(_SAVEPOINT_STAGE)
+            probe = raw.execute(probe_sql, params)
+            inserted = _send_load(raw, target, name, seen, columns, query, params)
+            repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
+    except (psycopg.Error, JobError):
+        now = names_now()
+        if now is None or now == seen:
+            raise
+        raw.execute(_ROLLBACK_STAGE)
+        return now
+    now = names_now()
+    assert now is not None  # the probe ran: the load after it did
+    if now != seen:
+        raw.execute(_ROLLBACK_STAGE)
+        return now
+    # The savepoint stays (the commit releases it): no round trip for it.
     _check_repeated(target, repeated.fetchone())
-    return name, columns, max(inserted.rowcount, 0)
+    return max(inserted.rowcount, 0)
 
 
 def _repeated_key_sql(target: Target, ident: sql.Identifier) -> sql.Composed:

@@ -1049,3 +1049,30 @@ def test_a_failing_vacuum_after_the_commit_leaves_the_run_and_the_connection_fin
     assert "after its commit" in caplog.text and "no_such_function" in caplog.text
     assert derived(db) == from_scratch(db)
     assert queue_rows(db) == []
+
+
+def test_a_compute_whose_columns_change_under_a_star_is_loaded_by_its_new_names(db):
+    # A queue job's SQL is loaded tick after tick with the column names it had
+    # the tick before, its probe beside it: when DDL changes what "*" means,
+    # the load is rolled back and done again, never written by position.
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            "create table newrows (parent_id int, bucket int, total bigint, n int);"
+            " insert into newrows values (1, 0, 10, 1), (1, 1, 11, 1), (2, 0, 20, 2)"
+        )
+    add_parents(db, [1, 2])
+    job = make_job(compute="select * from newrows where parent_id = any(:keys)")
+    with pgjobs.Runner(db) as runner:
+        push(db, job, [1])
+        assert runner.tick(job, force=True).stats.inserted == 2
+        assert derived(db, 1) == [(1, 0, 10, 1), (1, 1, 11, 1)]
+        with db.begin() as conn:
+            conn.exec_driver_sql(
+                "drop table newrows; create table newrows (n int, total bigint, bucket int,"
+                " parent_id int); insert into newrows values (3, 30, 0, 2), (4, 40, 1, 2)"
+            )
+        push(db, job, [2])
+        result = runner.tick(job, force=True)
+    assert (result.outcome, result.stats.inserted) == ("ran", 2)
+    assert derived(db, 2) == [(2, 0, 30, 3), (2, 1, 40, 4)]
+    assert queue_rows(db) == []
