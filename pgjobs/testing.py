@@ -7,6 +7,7 @@
   drops it afterwards.
 * :func:`run_tick` runs one tick of a job against a given engine or
   connection and returns its :class:`~pgjobs.RunResult`.
+* :func:`run_sql` runs SQL text as written (a schema, fixtures) and commits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -105,6 +107,17 @@ def fresh_database(server_url: str, *, prefix: str = "pgjobs_test") -> Iterator[
                 )
     finally:
         admin.dispose()
+
+
+def run_sql(engine: Engine, statements: str) -> None:
+    """Run ``statements`` (one or several, separated by ``;``) as written, with
+    no bind-parameter parsing (a ``:name`` stays as it is), and commit."""
+    with engine.connect() as conn:
+        pg = conn.connection.driver_connection
+        assert isinstance(pg, psycopg.Connection)
+        # bytes: psycopg types a query given as str as a literal string
+        pg.execute(statements.encode())
+        pg.commit()
 
 
 def run_tick(job: Job, database: Engine | Connection | str, **options: Any) -> RunResult:

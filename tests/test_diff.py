@@ -15,6 +15,7 @@ from sqlalchemy import column, null, select, table
 import pgjobs
 from pgjobs.diff import Scope, reflect_target, stage, write_diff
 from pgjobs.errors import ConfigError
+from pgjobs.testing import run_sql
 
 SCHEMA = """
 create table parent (id int primary key, name text);
@@ -29,14 +30,6 @@ create table derived (
 insert into parent select i, 'p' || i from generate_series(1, 10) i;
 insert into tag select generate_series(1, 3);
 """
-
-
-def run_sql(engine, statements: str) -> None:
-    """Run SQL as written (no bind-parameter parsing), committed."""
-    with engine.connect() as conn:
-        pg = conn.connection.driver_connection
-        pg.execute(statements)
-        pg.commit()
 
 
 def setup(engine, ddl: str = SCHEMA) -> None:

@@ -14,13 +14,7 @@ from sqlalchemy import create_engine
 import pgjobs
 from pgjobs.diff import reflect_target
 from pgjobs.errors import ConfigError
-
-
-def run_sql(engine, statements: str) -> None:
-    with engine.connect() as conn:
-        pg = conn.connection.driver_connection
-        pg.execute(statements)
-        pg.commit()
+from pgjobs.testing import run_sql
 
 
 def query(engine, statement: str) -> list[tuple]:

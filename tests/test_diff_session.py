@@ -14,6 +14,7 @@ from sqlalchemy import create_engine
 import pgjobs
 from pgjobs.diff import Scope, reflect_target, stage, write_diff
 from pgjobs.target import send_fingerprint
+from pgjobs.testing import run_sql
 
 SCHEMA = """
 create table parent (id int primary key);
@@ -25,13 +26,6 @@ create table derived (
 );
 insert into parent select generate_series(1, 10);
 """
-
-
-def run_sql(engine, statements: str) -> None:
-    with engine.connect() as conn:
-        pg = conn.connection.driver_connection
-        pg.execute(statements)
-        pg.commit()
 
 
 def rows(engine):
