@@ -15,8 +15,8 @@ from sqlalchemy.engine import Connection
 
 DEFAULT_NAMESPACE = "pgjobs"
 
-_TRY_XACT = text("select pg_try_advisory_xact_lock(hashtextextended(:key, 0))")
-#: the same for the driver connection (``%s``: :func:`lock_name`), to pipeline
+#: the group lock for the job's transaction, on the driver connection (``%s``:
+#: :func:`lock_name`), sent in the runner's pipeline; never waits
 TRY_XACT_SQL = "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
 _TRY_SESSION = text("select pg_try_advisory_lock(hashtextextended(:key, 0))")
 _UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
@@ -25,17 +25,6 @@ _UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
 def lock_name(namespace: str, group: str) -> str:
     """The text hashed into the lock key: ``'<namespace>:<group>'``."""
     return f"{namespace}:{group}"
-
-
-def try_group_lock(conn: Connection, namespace: str, group: str) -> bool:
-    """Try to take the group's lock for the current transaction; never waits.
-
-    Must run inside the job's transaction (never in autocommit, where the
-    lock would be released as soon as it is taken).
-    """
-    if not conn.in_transaction():
-        raise RuntimeError("try_group_lock must run inside the job's transaction")
-    return bool(conn.execute(_TRY_XACT, {"key": lock_name(namespace, group)}).scalar_one())
 
 
 def try_session_lock(conn: Connection, namespace: str, group: str) -> bool:

@@ -629,12 +629,11 @@ class _Worker:
             # and find it one by one (rare, so this path may hold the entries
             # of deferred items until commit; it still waits for nothing).
             self._rollback_to(sp)
-            claimed = self._claim_rows(None)
-            unreadable = self._unreadable(claimed)
-            ok, gone, deferred = self._lock_parents([i for i in claimed if i not in unreadable])
-            return ok, gone, deferred, unreadable
+            return self._lock_readable(self._claim_rows(None))
         # The savepoint stays open (the commit releases it): a round trip saved.
-        ok, gone, deferred = [], [], []
+        ok: list[str] = []
+        gone: list[str] = []
+        deferred: list[str] = []
         # Items neither listed as claimed nor deferred have an entry that a
         # user's transaction holds (an uncommitted enqueue): skipped.
         for item, attempts, is_gone, claimed in result:
@@ -751,11 +750,8 @@ class _Worker:
         try:
             ok, gone, deferred = self._lock_parents(items)
         except psycopg.DataError:
-            # a key that does not convert to the scope's types: found one by one
             self._rollback_to(sp)
-            unreadable = self._unreadable(items)
-            ok, gone, deferred = self._lock_parents([i for i in items if i not in unreadable])
-            return ok, gone, deferred, unreadable
+            return self._lock_readable(items)
         return ok, gone, deferred, {}
 
     def _finish_own(self) -> None:
@@ -767,6 +763,15 @@ class _Worker:
         for key, exc in failed.items():
             log.warning("pgjobs: %s: item %s failed: %s", self.job.name, key, _error_text(exc))
         self.job.finish(self.conn, done, failed)
+
+    def _lock_readable(
+        self, items: list[str]
+    ) -> tuple[list[str], list[str], list[str], dict[str, BaseException]]:
+        """After a key failed to convert to the scope's types: find such keys
+        one by one, then lock the others' parents. The four sets of _claim."""
+        unreadable = self._unreadable(items)
+        ok, gone, deferred = self._lock_parents([i for i in items if i not in unreadable])
+        return ok, gone, deferred, unreadable
 
     def _unreadable(self, items: list[str]) -> dict[str, BaseException]:
         """Keys that don't convert to the scope's column types, one by one."""

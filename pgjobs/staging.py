@@ -298,7 +298,7 @@ def _stage_plain(
     should they differ (DDL under a ``*``), the load is rolled back and done
     again with the new ones."""
     raw = driver(conn)
-    probe_sql = sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query))
+    probe_sql = _probe_sql(query)
     seen = _names_seen.get(query)
     if seen is not None:
         columns = _check_columns(target, seen, "the new rows' SQL")
@@ -332,15 +332,23 @@ def _send_load(
     params: dict[str, Any],
 ) -> psycopg.Cursor[Any]:
     """Send the stage table's preparation and the load (in a pipeline)."""
+    for statement in _prepare_statements(target, name, columns):
+        raw.execute(statement)
+    return raw.execute(_insert_sql(sql.Identifier(name), names, query), params)
+
+
+def _probe_sql(query: str) -> sql.Composed:
+    """``query``'s column names, planned but not run."""
+    return sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query))
+
+
+def _insert_sql(ident: sql.Identifier, names: Sequence[str], query: str) -> sql.Composed:
     # INSERT INTO stage (the query's columns, in its order) <the query>, with
     # no subquery around it: an untyped NULL or literal then takes the
     # column's type, as it would in an INSERT the user wrote.
-    insert_sql = sql.SQL("insert into {} ({}) {}").format(
-        sql.Identifier(name), sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
+    return sql.SQL("insert into {} ({}) {}").format(
+        ident, sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
     )
-    for statement in _prepare_statements(target, name, columns):
-        raw.execute(statement)
-    return raw.execute(insert_sql, params)
 
 
 def _load_as_seen(
@@ -414,17 +422,12 @@ def _stage_plain_temp(
     load, the key and ``ANALYZE`` in one round trip. A repeated or NULL key
     fails the transaction (nothing is written before a stage)."""
     raw = driver(conn)
-    probe = raw.execute(
-        sql.SQL("select * from ({}) as pgjobs_source limit 0").format(sql.SQL(query)), params
-    )
+    probe = raw.execute(_probe_sql(query), params)
     names = tuple(d.name for d in probe.description or ())
     columns = _check_columns(target, names, "the new rows' SQL")
-    insert_sql = sql.SQL("insert into {} ({}) {}").format(
-        ident, sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(query)
-    )
     with _key_errors(target), raw.pipeline():
         raw.execute(_create_sql(target, ident, columns, preserve))
-        inserted = raw.execute(insert_sql, params)
+        inserted = raw.execute(_insert_sql(ident, names, query), params)
         raw.execute(_add_key_sql(target, ident))
         for statement in analyze_statements(ident, target.key):
             raw.execute(statement)
