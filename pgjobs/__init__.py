@@ -5,16 +5,17 @@ Every public name is re-exported here; everything else is implementation.
 
 from __future__ import annotations
 
+from .api import install, run_once
 from .backoff import Backoff
 from .config import Config, load_config
 from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
 from .hookspecs import hookimpl
-from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
+from .jobs import Job, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
 from .queue import QueueStats, drop_enqueue_trigger, enqueue, install_enqueue_trigger, queue_stats
 from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
-from .runner import RunContext, Runner, install, run_once
+from .runner import Runner
 from .scheduler import Scheduler, lifespan
 
 __all__ = [

@@ -4,11 +4,17 @@ pgjobs talks SQLAlchemy at its edges (callbacks receive a SQLAlchemy
 ``Connection``) and psycopg inside, because dynamic identifiers are composed
 with :mod:`psycopg.sql` and rows are loaded with ``COPY``. Both share one
 driver connection and so one transaction.
+
+Round trips: :func:`later` queues a statement to go out with the next
+:func:`send` on the same connection, which sends what is queued and its own
+statements in one round trip. Every statement is one SQL command.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -29,12 +35,15 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
 
 
 def abandon(conn: Connection, trans: RootTransaction) -> None:
-    """Roll ``trans`` back, and the driver's transaction with it.
+    """Roll ``trans`` back, and the driver's transaction with it; what was
+    queued with :func:`later` is dropped.
 
     After a statement failed in a psycopg pipeline, or a COMMIT sent in one,
     SQLAlchemy may see its transaction as over while the server still holds
     an aborted one: the connection's next ``begin()`` would then fail."""
     raw = conn.connection.driver_connection
+    if isinstance(raw, psycopg.Connection):
+        _queued.pop(raw, None)
     trans.rollback()
     if (
         isinstance(raw, psycopg.Connection)
@@ -42,6 +51,131 @@ def abandon(conn: Connection, trans: RootTransaction) -> None:
         and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
     ):
         raw.rollback()
+
+
+# -- round trips ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Result:
+    """What one statement of a round trip returned: its row count and, for a
+    statement that returns rows, the rows."""
+
+    rowcount: int = -1
+    rows: list[tuple[Any, ...]] | None = None
+    #: the names of the columns it returns (``None``: it returns no rows)
+    columns: tuple[str, ...] | None = None
+
+    def one(self) -> tuple[Any, ...] | None:
+        """The first row, or ``None``."""
+        return self.rows[0] if self.rows else None
+
+    def all(self) -> list[tuple[Any, ...]]:
+        return self.rows or []
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or ``None``."""
+        row = self.one()
+        return row[0] if row else None
+
+
+class Later:
+    """A statement queued by :func:`later`; :attr:`result` once it was sent."""
+
+    __slots__ = ("params", "result", "statement")
+
+    def __init__(self, statement: sql.Composable | str, params: Params) -> None:
+        self.statement = statement
+        self.params = params
+        self.result: Result | None = None
+
+
+#: statements waiting for the next round trip, per driver connection
+_queued: weakref.WeakKeyDictionary[psycopg.Connection[Any], list[Later]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def later(conn: Connection, statement: sql.Composable | str, params: Params = None) -> Later:
+    """Queue ``statement`` (one SQL command) to go out, in order, with the next
+    :func:`send` on ``conn``: a write or a setting whose result nobody waits
+    for, or one the caller reads afterwards from the returned handle."""
+    item = Later(statement, params)
+    _queued.setdefault(driver(conn), []).append(item)
+    return item
+
+
+def send(
+    conn: Connection,
+    *statements: tuple[sql.Composable | str, Params],
+    commit: RootTransaction | None = None,
+) -> list[Result]:
+    """Send what is queued on ``conn`` and then ``statements`` (each one SQL
+    command, with its parameters or ``None``) in one round trip, and with
+    ``commit``, COMMIT that transaction in it too. Returns the results of
+    ``statements``.
+
+    Inside a transaction already under way, without parameters anywhere,
+    the statements go as one simple query (no statement is prepared), and
+    one statement alone as itself; otherwise (parameters, a COMMIT, or a
+    transaction whose BEGIN psycopg has yet to send, which then travels
+    with them) in a psycopg pipeline. When a statement fails there, the
+    results of those before it are kept on their handles."""
+    raw = driver(conn)
+    todo = [*_queued.pop(raw, ()), *(Later(s, p) for s, p in statements)]
+    begun = raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    if begun and commit is None and len(todo) == 1:
+        item = todo[0]
+        item.result = _result(raw.execute(item.statement, item.params))
+    elif begun and commit is None and todo and all(item.params is None for item in todo):
+        cur = raw.execute(sql.SQL("; ").join(_composable(i.statement) for i in todo))
+        for item in todo:
+            item.result = _result(cur)
+            cur.nextset()
+    elif todo or commit is not None:
+        _pipeline(raw, todo, commit)
+    out = [item.result for item in todo[len(todo) - len(statements) :]]
+    return [r if r is not None else Result() for r in out]
+
+
+def _pipeline(
+    raw: psycopg.Connection[Any], todo: list[Later], commit: RootTransaction | None
+) -> None:
+    cursors: list[psycopg.Cursor[Any]] = []
+    try:
+        with raw.pipeline():
+            for item in todo:
+                cursors.append(raw.execute(item.statement, item.params))  # type: ignore[arg-type]
+            if commit is not None:
+                commit.commit()
+    except BaseException:
+        for item, cur in zip(todo, cursors, strict=False):
+            if cur.pgresult is not None and cur.pgresult.status in _OK:
+                item.result = _result(cur)
+        raise
+    for item, cur in zip(todo, cursors, strict=True):
+        item.result = _result(cur)
+
+
+_OK = (psycopg.pq.ExecStatus.TUPLES_OK, psycopg.pq.ExecStatus.COMMAND_OK)
+
+
+def flush(conn: Connection) -> None:
+    """Send what is queued on ``conn`` now, if its transaction can still run it
+    (after an error it cannot: then it is dropped)."""
+    raw = driver(conn)
+    if raw.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+        _queued.pop(raw, None)
+    elif _queued.get(raw):
+        send(conn)
+
+
+def _result(cur: psycopg.Cursor[Any]) -> Result:
+    if cur.description is None:
+        return Result(cur.rowcount)
+    return Result(cur.rowcount, cur.fetchall(), tuple(d.name for d in cur.description))
+
+
+def _composable(statement: sql.Composable | str) -> sql.Composable:
+    return sql.SQL(statement) if isinstance(statement, str) else statement
 
 
 def execute(

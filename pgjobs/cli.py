@@ -297,6 +297,7 @@ def once(
     Phases and progress go to stderr; the outcome to stdout. Exit 1 if the
     tick failed or found the job's group busy.
     """
+    from .checks import check_jobs
     from .runner import Runner
 
     # The summary below reports a failure; the runner's traceback is for -v.
@@ -309,7 +310,7 @@ def once(
             )
         with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
             if not no_check:
-                registry.check(runner.engine, [job])
+                check_jobs(runner.engine, [registry.entry(job)])
             progress = _Progress(job, sys.stderr)
             result = runner.tick(target, force=True, progress=progress)
             progress.finish()
@@ -393,77 +394,32 @@ def _until(when: datetime | None, now: datetime) -> str:
     return f"in {format_duration(timedelta(seconds=int((when - now).total_seconds()) or 1))}"
 
 
-def _queue_stats(conn: Any, schema: str) -> dict[str, dict[str, Any]] | None:
-    """Per-job queue figures from :mod:`pgjobs.queue`, when it is there."""
-    try:
-        from . import queue
-    except ImportError:
-        return None
-    stats_of = getattr(queue, "queue_stats", None)
-    if stats_of is None:
-        return None
-    try:
-        with conn.begin():
-            items = stats_of(conn, schema=schema)
-    except Exception:
-        log.warning("pgjobs: could not read queue statistics", exc_info=True)
-        return None
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        data = _jsonable(item) if not isinstance(item, Mapping) else dict(item)
-        if isinstance(data, dict) and "job" in data:
-            out[str(data["job"])] = data
-    return out
-
-
 def _status(
     registry: Registry, config: Config, url: str | None
 ) -> tuple[list[dict[str, Any]], datetime]:
-    from psycopg import sql
-
-    from ._pg import driver, execute
+    """Every job's row of ``pgjobs status``: registered jobs first, then jobs
+    that are no longer registered but still have a state."""
     from .database import resolve_engine
+    from .queue import queue_stats
     from .store import Store
 
     engine, owned = resolve_engine(url)
-    store = Store(config.schema)
-    states: dict[str, dict[str, Any]] = {}
-    last: dict[str, dict[str, Any]] = {}
-    last_ran: dict[str, dict[str, Any]] = {}
-    queues: dict[str, dict[str, Any]] | None = None
-    latest = sql.SQL("select distinct on (job) * from {} {} order by job, started_at desc, id desc")
+    queues: dict[str, Any] | None = None
     try:
-        with engine.connect() as conn:
-            with conn.begin():
-                now = _scalar(execute(conn, "select now()"))
-                # Reading must not install pgjobs' tables: status writes nothing.
-                state_table = store.table("job_state").as_string(driver(conn))
-                installed = _scalar(
-                    execute(conn, "select to_regclass(%s) is not null", (state_table,))
-                )
-                if installed:
-                    states = _rows_by_job(
-                        execute(conn, sql.SQL("select * from {}").format(store.table("job_state")))
-                    )
-                    last = _rows_by_job(
-                        execute(conn, latest.format(store.table("run"), sql.SQL("")))
-                    )
-                    last_ran = _rows_by_job(
-                        execute(
-                            conn,
-                            latest.format(store.table("run"), sql.SQL("where outcome = 'ran'")),
-                        )
-                    )
-            if installed:
-                queues = _queue_stats(conn, config.schema)
+        with engine.connect() as conn, conn.begin():
+            # Reading must not install pgjobs' tables: status writes nothing.
+            read = Store(config.schema).status(conn)
+            if read.installed:
+                queues = {q.job: _jsonable(q) for q in queue_stats(conn, schema=config.schema)}
     finally:
         if owned:
             engine.dispose()
     names = [e.job.name for e in registry.entries()]
-    names += sorted(set(states) - set(names))  # jobs no longer registered still have state
+    names += sorted(set(read.states) - set(names))  # no longer registered, still with state
     rows = []
     for name in names:
-        state, run, ran = states.get(name, {}), last.get(name, {}), last_ran.get(name, {})
+        state = read.states.get(name, {})
+        run, ran = read.last.get(name, {}), read.last_ran.get(name, {})
         changed = None
         if ran:
             changed = {k: ran[k] for k in ("inserted", "updated", "deleted")}
@@ -482,18 +438,7 @@ def _status(
                 "queue": None if queues is None else queues.get(name),
             }
         )
-    return rows, now
-
-
-def _scalar(cursor: Any) -> Any:
-    row = cursor.fetchone()
-    return row[0] if row else None
-
-
-def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
-    names = [d.name for d in cursor.description or ()]
-    job = names.index("job")
-    return {row[job]: dict(zip(names, row, strict=True)) for row in cursor}
+    return rows, read.now
 
 
 @cli.command()

@@ -3,9 +3,16 @@
 * :class:`RecomputeJob` — a periodic full recompute of a derived table,
   written as a difference (see :mod:`pgjobs.diff`).
 * :class:`QueueJob` — a worker that rewrites the derived rows of the items
-  in a queue, batch by batch (see :mod:`pgjobs.queue`).
+  in a queue, batch by batch (see :mod:`pgjobs.queue` and :mod:`pgjobs.worker`).
 * :class:`TaskJob` — any other body, run under the same protocol (lock
   group, check-before-lock, backoff, run log).
+
+Also :class:`RunContext`, what a job's body gets besides its connection,
+and :class:`Body`, how the runner runs one kind. These are the model: they
+say what a job is, not how it runs. The runner
+(:mod:`pgjobs.runner`) runs each kind through its body (:mod:`pgjobs.recompute`,
+:mod:`pgjobs.worker`); a kind of your own (a :class:`Job` subclass) is its
+own body, through the methods under "what the runner calls".
 """
 
 from __future__ import annotations
@@ -13,25 +20,83 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
+from psycopg import sql
+
+from ._pg import Later, later
 from .backoff import Backoff
-from .durations import Duration, parse_duration
+from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
 from .results import DiffStats, Execution
 
 if TYPE_CHECKING:
-    import psycopg
-    from psycopg import sql
     from sqlalchemy.engine import Connection
-
-    from .runner import RunContext
 
 #: What ``compute`` may return: SQL text, a SQLAlchemy selectable, or rows.
 Source: TypeAlias = Any
 Keys: TypeAlias = list[tuple[Any, ...]]
+
+#: ``progress(phase, done, total)``: phases are "compute", "diff", "write", ...
+Progress = Callable[[str, int | None, int | None], None]
+#: a statement and its parameters
+Statement = tuple[sql.Composed, Any]
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """What a job's body may use besides its connection."""
+
+    job: Job
+    #: the advisory-lock namespace
+    namespace: str
+    #: the schema of pgjobs' own tables (job state, run log, the queue)
+    schema: str
+    now: datetime
+    progress: Progress | None = None
+    #: commit what is written so far and continue in a new transaction, the
+    #: group still locked; only for jobs that write in chunks
+    checkpoint: Callable[[], None] | None = None
+    #: statements (with parameters) the runner sends right before the job's
+    #: COMMIT, in the same round trip: writes whose results nobody waits for
+    before_commit: list[Statement] = field(default_factory=list)
+    #: called once the job's transaction has committed, on its connection
+    #: (outside any transaction); an error there is logged, and the run's
+    #: outcome stays what it was
+    after_commit: list[Callable[[Connection], None]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+    def later(self, conn: Connection, statement: sql.Composed | str, params: Any = None) -> Later:
+        """Queue ``statement`` (one SQL command) to go out, in order, with the
+        next round trip pgjobs sends on ``conn`` (in :meth:`Job.prefetch`: the
+        lock's); the returned handle's ``result`` (``rowcount``, ``rows``)
+        is there once it was sent."""
+        return later(conn, statement, params)
+
+
+class Body(Protocol):
+    """How the runner runs one kind of job: steps 2 (work?), 3 (what to send
+    with the lock) and 4 (the run) of the protocol."""
+
+    def work_query(self, job: Any, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
+        """Step 2 as one statement answering one boolean, or ``None``."""
+
+    def check_work(self, conn: Connection, job: Any, ctx: RunContext) -> bool:
+        """Step 2, in a short read-only transaction."""
+
+    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> None:
+        """Step 3: queue (:meth:`RunContext.later`) what the body will need
+        first, to go out in the round trip that takes the lock."""
+
+    def execute(self, conn: Connection, job: Any, ctx: RunContext) -> Execution:
+        """Step 4: the job's body, inside the job transaction, lock held."""
+
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
 
@@ -161,8 +226,6 @@ class Job:
     @property
     def schedule(self) -> str:
         """Human-readable schedule: ``every 60s`` or ``cron */5 * * * *``."""
-        from .durations import format_duration
-
         if self.interval is not None:
             return f"every {format_duration(self.interval)}"
         return f"cron {self.cron}"
@@ -171,15 +234,17 @@ class Job:
         """A copy with ``changes`` applied and validated again."""
         return dataclasses.replace(self, **changes)
 
-    # -- what the runner calls -----------------------------------------------
+    # -- what the runner calls (for a kind of your own; the built-in kinds'
+    # bodies are in pgjobs.recompute and pgjobs.worker) ----------------------
     def check_work(self, conn: Connection, ctx: RunContext) -> bool:
         """Step 2 of the run protocol, in a short read-only transaction."""
         return True if self.has_work is None else bool(self.has_work(conn))
 
-    def prefetch(self, raw: psycopg.Connection[Any], ctx: RunContext) -> None:
-        """Step 3: send what the job's body will need first, in the round trip
-        that takes the group lock (inside that pipeline; results are read in
-        :meth:`execute`, through ``ctx.extra``). Nothing by default."""
+    def prefetch(self, conn: Connection, ctx: RunContext) -> None:
+        """Step 3: queue what the job's body will need first with
+        :meth:`RunContext.later`, to go out in the round trip that takes the
+        group lock; read the results in :meth:`execute` (keep the handles in
+        ``ctx.extra``). Nothing by default."""
 
     def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, when it is one: the
@@ -247,12 +312,6 @@ class _DiffJob(Job):
     def _default_group(self) -> str:
         return self.target or self.name
 
-    def prefetch(self, raw: psycopg.Connection[Any], ctx: RunContext) -> None:
-        # the reflection cache's catalog check (see reflect_target)
-        from .target import send_fingerprint
-
-        ctx.extra["fingerprint"] = send_fingerprint(raw, self.target, self.parents)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecomputeJob(_DiffJob):
@@ -286,11 +345,6 @@ class RecomputeJob(_DiffJob):
             raise ConfigError(
                 f"{where}: chunk_parents: expected a positive integer, got {self.chunk_parents!r}"
             )
-
-    def execute(self, conn: Connection, ctx: RunContext) -> Execution:
-        from .diff import run_recompute
-
-        return run_recompute(conn, self, ctx)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -359,22 +413,3 @@ class QueueJob(_DiffJob):
         object.__setattr__(
             self, "item_backoff", Backoff.coerce(self.item_backoff, field=f"{where}: item_backoff")
         )
-
-    def check_work(self, conn: Connection, ctx: RunContext) -> bool:
-        if self.has_work is not None:
-            return bool(self.has_work(conn))
-        from .queue import has_pending
-
-        return has_pending(conn, self, ctx)
-
-    def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
-        if self.has_work is not None:
-            return None
-        from .queue import pending_query
-
-        return pending_query(self, ctx)
-
-    def execute(self, conn: Connection, ctx: RunContext) -> Execution:
-        from .queue import run_queue
-
-        return run_queue(conn, self, ctx)

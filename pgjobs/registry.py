@@ -34,18 +34,13 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from . import hookspecs
-from ._pg import sqlstate_of
 from .config import Config, load_config
 from .errors import ConfigError, PluginError
-from .jobs import Job, QueueJob, RecomputeJob
-
-if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, Engine
+from .jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -356,30 +351,6 @@ class Registry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- checking against a database -------------------------------------------
-    def check(self, engine: Engine, names: Iterable[str] | None = None) -> None:
-        """Check jobs against the database before running them, in a
-        read-only transaction that is rolled back: what the diff writer
-        reflects (the target exists, its diff key is a primary key or NOT NULL
-        columns with a unique index, declared parents exist), a queue job's
-        scope columns, and a recompute's SQL text, planned with LIMIT 0 (no
-        row computed) and its columns matched against the target. Raises
-        :class:`ConfigError` naming the job's config key (or plugin)."""
-        entries = self.entries() if names is None else [self.entry(n) for n in names]
-        entries = [e for e in entries if isinstance(e.job, RecomputeJob | QueueJob)]
-        if not entries:
-            return
-        with engine.connect() as conn:
-            for entry in entries:
-                trans = conn.begin()
-                try:
-                    conn.exec_driver_sql("set transaction read only")
-                    conn.exec_driver_sql("set local statement_timeout = '15s'")
-                    conn.exec_driver_sql("set local lock_timeout = '5s'")
-                    _check_job(conn, entry)
-                finally:
-                    trans.rollback()
-
 
 def _same_table(a: Job, b: Job) -> bool:
     """Conservatively: ``x`` and ``s.x`` may be one table (search_path)."""
@@ -388,44 +359,6 @@ def _same_table(a: Job, b: Job) -> bool:
         return True
     pa, pb = ta.split("."), tb.split(".")
     return pa[-1] == pb[-1] and (len(pa) == 1 or len(pb) == 1)
-
-
-def _check_job(conn: Connection, entry: Registered) -> None:
-
-    from .staging import check_sql
-    from .target import reflect_target
-
-    job = entry.job
-    assert isinstance(job, RecomputeJob | QueueJob)
-    try:
-        # The diff writer's own reflection: a missing table, a key that is not
-        # NOT NULL + unique, an unknown parent fail here as they would at run time.
-        target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
-        if isinstance(job, QueueJob):
-            missing = [c for c in job.scope if c not in target.types and c not in target.key]
-            if missing:
-                raise ConfigError(f"scope: {job.target!r} has no column(s) {', '.join(missing)}")
-    except ConfigError as exc:
-        raise ConfigError(f"{entry.where}: {exc}") from None
-    # A queue job's SQL may join the batch's keys table, which exists only in
-    # a run; a recompute's SQL is planned (LIMIT 0: no row computed) and its
-    # columns matched against the target, as staging will.
-    if isinstance(job, RecomputeJob) and isinstance(job.compute, str):
-        field = "sql" if entry.config is not None else "compute"
-        try:
-            with conn.begin_nested():
-                check_sql(conn, target, job.compute)
-        except ConfigError as exc:
-            raise ConfigError(f"{entry.key(field)}: {exc}") from None
-        except Exception as exc:
-            orig: Any = getattr(exc, "orig", exc)
-            diag = getattr(orig, "diag", None)
-            message = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
-            state = sqlstate_of(exc)
-            raise ConfigError(
-                f"{entry.key(field)}: the query fails: {message}"
-                + (f" (SQLSTATE {state})" if state else "")
-            ) from exc
 
 
 _default: Registry | None = None

@@ -1,17 +1,22 @@
 """The run protocol, the same for every job at every tick.
 
 1. **Due?**   read ``job_state``; backing off or run recently elsewhere: stop (no lock).
-2. **Work?**  ``job.check_work`` in a short read-only transaction; nothing: ``idle`` (no lock).
-   Where the check is one statement (``job.work_query``), steps 1 and 2 are
+2. **Work?**  the body's work check in a short read-only transaction; nothing:
+   ``idle`` (no lock). Where the check is one statement, steps 1 and 2 are
    one round trip.
 3. **Lock.**  begin the job transaction, ``pg_try_advisory_xact_lock``; taken by
    another transaction: ``busy``, roll back at once. Re-read the state under the
    lock: a replica may have finished the job between steps 1 and 3.
-4. **Run.**   ``SET LOCAL lock_timeout`` / ``statement_timeout``; ``job.execute``.
+4. **Run.**   ``SET LOCAL lock_timeout`` / ``statement_timeout``; the job's body.
 5. **Commit** the writes together with the job's new state and its run record,
    which releases the lock.
 6. **Record** any other outcome in ``pgjobs.run``; a failure also sets
    ``next_attempt_at = now + backoff`` in ``pgjobs.job_state``.
+
+The body of each job kind is looked up in :data:`BODIES` (``RecomputeJob``:
+:mod:`pgjobs.recompute`, ``QueueJob``: :mod:`pgjobs.worker`); any other
+:class:`~pgjobs.Job` is its own body. The reasons behind each step are in
+``docs/DESIGN.md``.
 """
 
 from __future__ import annotations
@@ -20,18 +25,18 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, RootTransaction
 
-from ._pg import Params, abandon, driver, execute, set_local
+from ._pg import abandon, execute, later, send, set_local, sqlstate_of
 from .database import resolve_engine
 from .errors import ConfigError
-from .jobs import Job
+from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
     DEFAULT_NAMESPACE,
     TRY_XACT_SQL,
@@ -39,44 +44,49 @@ from .locking import (
     release_session_lock,
     try_session_lock,
 )
+from .recompute import BODY as RECOMPUTE
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
+from .worker import BODY as QUEUE
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
-#: ``progress(phase, done, total)``: phases are "compute", "diff", "write", ...
-Progress = Callable[[str, int | None, int | None], None]
+
+#: The body of each built-in job kind.
+BODIES: dict[type[Job], Body] = {RecomputeJob: RECOMPUTE, QueueJob: QUEUE}
+
+
+class _OwnBody:
+    """A job kind of the user's own: the job's own methods are its body."""
+
+    def work_query(self, job: Job, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
+        return job.work_query(ctx)
+
+    def check_work(self, conn: Connection, job: Job, ctx: RunContext) -> bool:
+        return job.check_work(conn, ctx)
+
+    def prefetch(self, conn: Connection, job: Job, ctx: RunContext) -> None:
+        job.prefetch(conn, ctx)
+
+    def execute(self, conn: Connection, job: Job, ctx: RunContext) -> Execution:
+        return job.execute(conn, ctx)
+
+
+_OWN = _OwnBody()
+
+
+def body_of(job: Job) -> Body:
+    """The body the runner runs ``job`` through."""
+    for kind in type(job).__mro__:
+        body = BODIES.get(kind)
+        if body is not None:
+            return body
+    return _OWN
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-@dataclass(kw_only=True)
-class RunContext:
-    """What a job's body may use besides its connection."""
-
-    job: Job
-    namespace: str
-    store: Store
-    now: datetime
-    progress: Progress | None = None
-    #: commit what is written so far and continue in a new transaction, the
-    #: group still locked; only for jobs that write in chunks
-    checkpoint: Callable[[], None] | None = None
-    #: statements (with parameters) the runner sends right before the job's
-    #: COMMIT, in the same round trip: writes whose results nobody waits for
-    before_commit: list[tuple[sql.Composed, Params]] = field(default_factory=list)
-    #: called once the job's transaction has committed, on its connection
-    #: (outside any transaction); an error there is logged, and the run's
-    #: outcome stays what it was
-    after_commit: list[Callable[[Connection], None]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
-        if self.progress is not None:
-            self.progress(phase, done, total)
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
@@ -154,7 +164,6 @@ class Runner:
         with self.engine.connect() as conn:
             self.store.ensure(conn)
 
-    # -- the protocol ------------------------------------------------------
     def tick(
         self,
         job: Job,
@@ -183,165 +192,228 @@ class Runner:
         force: bool = False,
     ) -> RunResult:
         """:meth:`tick` on a connection of the caller's (not in a transaction)."""
-        started = self.clock()
+        return _Tick(self, conn, job, progress=progress, next_due=next_due, force=force).run()
 
-        def finish(outcome: Outcome, **fields: Any) -> RunResult:
-            result = RunResult(
-                job=job.name,
-                outcome=outcome,
-                started_at=started,
-                finished_at=self.clock(),
-                **fields,
-            )
-            return self._record(conn, result)
+    def prune(self, keep: timedelta = timedelta(days=7)) -> int:
+        """Delete run records older than ``keep``; returns how many."""
+        with self.engine.connect() as conn:
+            self.store.ensure(conn)
+            with conn.begin():
+                return self.store.prune(conn, keep=keep, now=self.clock())
 
-        ctx = RunContext(
-            job=job, namespace=self.namespace, store=self.store, now=started, progress=progress
+
+class _Tick:
+    """One tick of one job on one connection: the six steps, in order."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        conn: Connection,
+        job: Job,
+        *,
+        progress: Progress | None,
+        next_due: datetime | None,
+        force: bool,
+    ) -> None:
+        self.runner = runner
+        self.store = runner.store
+        self.conn = conn
+        self.job = job
+        self.body = body_of(job)
+        self.next_due = next_due
+        self.force = force
+        self.started = runner.clock()
+        self.state: JobState | None = None
+        self.ctx = RunContext(
+            job=job,
+            namespace=runner.namespace,
+            schema=runner.store.schema,
+            now=self.started,
+            progress=progress,
         )
 
-        # 1. Due? and 2. Work? One short read-only transaction, no lock.
-        quick = self._due_and_work(conn, job, ctx)
+    def run(self) -> RunResult:
+        stop = self._due_and_work()
+        if stop is not None:
+            return stop
+        return self._locked_run()
+
+    # -- steps 1 and 2 --------------------------------------------------------------
+    def _due_and_work(self) -> RunResult | None:
+        """Steps 1 and 2, no lock: the result of a tick that stops here, or
+        ``None`` to go on."""
+        quick = self._due_and_work_at_once()
+        error: Exception | None = None
+        has_work = False
         if quick is not None:
-            state, has_work = quick
-            blocked = None if force else self._not_due(job, state, started)
-            error: Exception | None = None
+            self.state, has_work = quick
+            blocked = self._blocked()
         else:
-            with conn.begin():
-                state = self.store.read_state(conn, job.name, settings=_READ_ONLY)
-                blocked = None if force else self._not_due(job, state, started)
+            with self.conn.begin():
+                self.state = self.store.read_state(self.conn, self.job.name, settings=_READ_ONLY)
+                blocked = self._blocked()
                 if blocked is None:
                     try:
-                        has_work = job.check_work(conn, ctx)
+                        has_work = self.body.check_work(self.conn, self.job, self.ctx)
                     except Exception as exc:
                         error = exc
-                    else:
-                        error = None
         if blocked is not None:
-            return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
+            return self._blocked_result(blocked)
         if error is not None:
-            return self._fail(conn, job, state, started, error)
+            return self._fail(error)
         if not has_work:
-            return finish(Outcome.IDLE)
+            return self._finish(Outcome.IDLE)
+        return None
 
-        # 3. Lock, never wait.
-        trans = conn.begin()
-        session_locked = False
-        try:
-            # One round trip: BEGIN, the lock, then (if it was taken) the
-            # re-check of the state under it (a replica may have run the job
-            # since step 1) with the job's settings. Both are read-only and
-            # transaction-local: when the lock is busy they are rolled back.
-            raw = driver(conn)
-            with raw.pipeline():
-                lock = raw.execute(
-                    TRY_XACT_SQL, (lock_name(self.namespace, job.group or job.name),)
-                )
-                state_row = raw.execute(
-                    *self.store.state_query(job.name, settings=_job_settings(job))
-                )
-                job.prefetch(raw, ctx)
-            locked = lock.fetchone()
-            if not (locked and locked[0]):
-                trans.rollback()
-                return finish(Outcome.BUSY, retry_after=self._busy_retry(job))
-            state = self.store.state_from_row(job.name, state_row.fetchone())
-            blocked = None if force else self._not_due(job, state, started)
-            if blocked is not None:
-                trans.rollback()
-                return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
-
-            # 4. Run.
-            if getattr(job, "chunk_parents", None):
-                session_locked = try_session_lock(conn, self.namespace, job.group or job.name)
-
-                def checkpoint() -> None:
-                    nonlocal trans
-                    _send_before_commit(conn, ctx)
-                    trans.commit()
-                    trans = conn.begin()
-                    execute(conn, *set_local(_job_settings(job)))
-
-                ctx.checkpoint = checkpoint
-            execution = job.execute(conn, ctx)
-
-            # 5. Commit the writes with the job's state and run record.
-            next_attempt = self._next_after_success(job, started, next_due)
-            result = self._result(job, Outcome.RAN, started, execution, next_attempt)
-            # the run record (with the success state) and COMMIT: one round trip
-            raw = driver(conn)
-            with raw.pipeline():
-                _send_before_commit(conn, ctx)
-                recorded = raw.execute(
-                    *self.store.run_query(result, self.worker, success_next_attempt=next_attempt)
-                )
-                trans.commit()
-            row = recorded.fetchone()
-            assert row is not None
-            run_id = int(row[0])
-        except Exception as exc:
-            abandon(conn, trans)
-            return self._fail(conn, job, state, started, exc)
-        finally:
-            if session_locked:
-                self._release_session_lock(conn, job)
-        log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
-        for action in ctx.after_commit:
-            try:
-                action(conn)
-            except Exception:
-                log.warning(
-                    "pgjobs: %s: after its commit: %s failed", job.name, action, exc_info=True
-                )
-                if conn.in_transaction():
-                    conn.rollback()
-        return _with_run_id(result, run_id)
-
-    # -- helpers -------------------------------------------------------------
-    def _due_and_work(
-        self, conn: Connection, job: Job, ctx: RunContext
-    ) -> tuple[JobState | None, bool] | None:
-        """Steps 1 and 2 in one round trip (BEGIN, the state, the job's
-        :meth:`~pgjobs.jobs.Job.work_query`, COMMIT), for jobs whose check is
-        one statement; whether the job is due is decided after it (the check
-        is an index probe: asking it of a job that is not due costs less
-        than a round trip). ``None``: the job has no such statement, or
-        something failed; the caller then takes the two steps one by one,
-        which says what failed."""
-        query = job.work_query(ctx)
+    def _due_and_work_at_once(self) -> tuple[JobState | None, bool] | None:
+        """Steps 1 and 2 in one round trip (BEGIN, the state, the body's
+        work statement, COMMIT), for jobs whose check is one statement;
+        whether the job is due is decided after it (the check is an index
+        probe: asking it of a job that is not due costs less than a round
+        trip). ``None``: the job has no such statement, or something failed;
+        the caller then takes the two steps one by one, which says what
+        failed."""
+        query = self.body.work_query(self.job, self.ctx)
         if query is None:
             return None
-        statement, params = query
-        trans = conn.begin()
+        trans = self.conn.begin()
         try:
-            raw = driver(conn)
-            with raw.pipeline():
-                state_cur = raw.execute(*self.store.state_query(job.name, settings=_READ_ONLY))
-                work_cur = raw.execute(statement, params)
-                trans.commit()
-            work = work_cur.fetchone()
-            return self.store.state_from_row(job.name, state_cur.fetchone()), bool(work and work[0])
+            state, work = send(
+                self.conn,
+                self.store.state_query(self.job.name, settings=_READ_ONLY),
+                query,
+                commit=trans,
+            )
+            return self.store.state_from_row(self.job.name, state.one()), bool(work.scalar())
         except Exception:
-            abandon(conn, trans)
-            log.debug("pgjobs: %s: the one-round-trip check failed", job.name, exc_info=True)
+            abandon(self.conn, trans)
+            log.debug("pgjobs: %s: the one-round-trip check failed", self.job.name, exc_info=True)
             return None
 
-    def _not_due(self, job: Job, state: JobState | None, now: datetime) -> Outcome | None:
-        if state is None or state.next_attempt_at is None:
+    def _blocked(self) -> Outcome | None:
+        """``backing_off`` or ``not_due`` by the job's state, unless forced."""
+        state = self.state
+        if self.force or state is None or state.next_attempt_at is None:
             return None
         if state.failures > 0:
-            return Outcome.BACKING_OFF if now < state.next_attempt_at else None
-        if now + _slack(job.interval) < state.next_attempt_at:
+            return Outcome.BACKING_OFF if self.started < state.next_attempt_at else None
+        if self.started + _slack(self.job.interval) < state.next_attempt_at:
             return Outcome.NOT_DUE
         return None
 
-    def _next_after_success(
-        self, job: Job, started: datetime, next_due: datetime | None
-    ) -> datetime:
-        if job.interval is not None:
-            return started + job.interval
-        return next_due if next_due is not None else started
+    def _blocked_result(self, outcome: Outcome) -> RunResult:
+        state = self.state
+        return self._finish(outcome, next_attempt_at=state.next_attempt_at if state else None)
 
-    def _busy_retry(self, job: Job) -> timedelta | None:
+    # -- steps 3 to 5 ----------------------------------------------------------------
+    def _locked_run(self) -> RunResult:
+        conn, job = self.conn, self.job
+        self.trans: RootTransaction = conn.begin()
+        session_locked = False
+        try:
+            stop = self._lock()
+            if stop is not None:
+                return stop
+            if getattr(job, "chunk_parents", None):
+                session_locked = try_session_lock(conn, self.runner.namespace, self._group)
+                self.ctx.checkpoint = self._checkpoint
+            execution = self.body.execute(conn, job, self.ctx)
+            result = self._commit(execution)
+        except Exception as exc:
+            abandon(conn, self.trans)
+            return self._fail(exc)
+        finally:
+            if session_locked:
+                self._release_session_lock()
+        log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
+        self._after_commit()
+        return result
+
+    @property
+    def _group(self) -> str:
+        return self.job.group or self.job.name
+
+    def _lock(self) -> RunResult | None:
+        """Step 3, in one round trip: BEGIN, the lock, then (if it was taken)
+        the re-check of the state under it (a replica may have run the job
+        since step 1) with the job's settings, and what the body prefetches.
+        Both are read-only and transaction-local: when the lock is busy they
+        are rolled back. Returns the result of a tick that stops here."""
+        lock = later(self.conn, TRY_XACT_SQL, (lock_name(self.runner.namespace, self._group),))
+        state = later(
+            self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
+        )
+        self.body.prefetch(self.conn, self.job, self.ctx)
+        send(self.conn)
+        assert lock.result is not None and state.result is not None
+        if not lock.result.scalar():
+            self.trans.rollback()
+            return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
+        self.state = self.store.state_from_row(self.job.name, state.result.one())
+        blocked = self._blocked()
+        if blocked is not None:
+            self.trans.rollback()
+            return self._blocked_result(blocked)
+        return None
+
+    def _checkpoint(self) -> None:
+        """Commit what is written so far, and go on in a new transaction with
+        the job's settings (chunked writes; the session lock keeps the group)."""
+        self._queue_before_commit()
+        send(self.conn, commit=self.trans)
+        self.trans = self.conn.begin()
+        execute(self.conn, *set_local(_job_settings(self.job)))
+
+    def _commit(self, execution: Execution) -> RunResult:
+        """Step 5: the run record (with the success state) and COMMIT, in one
+        round trip after what the body left for the commit."""
+        next_attempt = self._next_after_success()
+        result = RunResult(
+            job=self.job.name,
+            outcome=Outcome.RAN,
+            started_at=self.started,
+            finished_at=self.runner.clock(),
+            stats=execution.stats,
+            compute_seconds=execution.compute_seconds,
+            write_seconds=execution.write_seconds,
+            lock_seconds=execution.lock_seconds,
+            items=execution.items,
+            failed_items=execution.failed_items,
+            next_attempt_at=next_attempt,
+            detail=dict(execution.detail),
+        )
+        self._queue_before_commit()
+        (recorded,) = send(
+            self.conn,
+            self.store.run_query(result, self.runner.worker, success_next_attempt=next_attempt),
+            commit=self.trans,
+        )
+        return replace(result, run_id=int(recorded.scalar()))
+
+    def _queue_before_commit(self) -> None:
+        """What the body left for the commit goes out in its round trip."""
+        statements, self.ctx.before_commit = self.ctx.before_commit, []
+        for statement, params in statements:
+            later(self.conn, statement, params)
+
+    def _after_commit(self) -> None:
+        for action in self.ctx.after_commit:
+            try:
+                action(self.conn)
+            except Exception:
+                log.warning(
+                    "pgjobs: %s: after its commit: %s failed", self.job.name, action, exc_info=True
+                )
+                if self.conn.in_transaction():
+                    self.conn.rollback()
+
+    def _next_after_success(self) -> datetime:
+        if self.job.interval is not None:
+            return self.started + self.job.interval
+        return self.next_due if self.next_due is not None else self.started
+
+    def _busy_retry(self) -> timedelta | None:
+        job = self.job
         retry = job.busy_retry
         if not isinstance(retry, timedelta):
             return None
@@ -351,48 +423,23 @@ class Runner:
         # job's ticks (a 1 s job, a retry after 1 s) and lose the race every time.
         return retry * random.uniform(0.5, 1.0)
 
-    def _release_session_lock(self, conn: Connection, job: Job) -> None:
+    def _release_session_lock(self) -> None:
         try:
-            with conn.begin():
-                release_session_lock(conn, self.namespace, job.group or job.name)
+            with self.conn.begin():
+                release_session_lock(self.conn, self.runner.namespace, self._group)
         except Exception:
             # A pooled connection must never go back holding the group lock.
             log.warning(
                 "pgjobs: could not release the session lock of %s; dropping the connection",
-                job.name,
+                self.job.name,
             )
-            conn.invalidate()
+            self.conn.invalidate()
 
-    def _result(
-        self,
-        job: Job,
-        outcome: Outcome,
-        started: datetime,
-        ex: Execution,
-        next_attempt: datetime | None,
-    ) -> RunResult:
-        return RunResult(
-            job=job.name,
-            outcome=outcome,
-            started_at=started,
-            finished_at=self.clock(),
-            stats=ex.stats,
-            compute_seconds=ex.compute_seconds,
-            write_seconds=ex.write_seconds,
-            lock_seconds=ex.lock_seconds,
-            items=ex.items,
-            failed_items=ex.failed_items,
-            next_attempt_at=next_attempt,
-            detail=dict(ex.detail),
-        )
-
-    def _fail(
-        self, conn: Connection, job: Job, state: JobState | None, started: datetime, exc: Exception
-    ) -> RunResult:
-        from ._pg import sqlstate_of
-
+    # -- step 6 ----------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> RunResult:
+        job, state = self.job, self.state
         failures = (state.failures if state else 0) + 1
-        next_attempt = self.clock() + job.backoff_policy.delay(failures)
+        next_attempt = self.runner.clock() + job.backoff_policy.delay(failures)
         sqlstate = sqlstate_of(exc)
         error = _error_text(exc)
         log.error(
@@ -405,8 +452,8 @@ class Runner:
         result = RunResult(
             job=job.name,
             outcome=Outcome.FAILED,
-            started_at=started,
-            finished_at=self.clock(),
+            started_at=self.started,
+            finished_at=self.runner.clock(),
             error=error,
             sqlstate=sqlstate,
             next_attempt_at=next_attempt,
@@ -417,88 +464,43 @@ class Runner:
                 self.store.record_failure(
                     c,
                     job.name,
-                    started_at=started,
+                    started_at=self.started,
                     failures=failures,
                     next_attempt_at=next_attempt,
                     error=error,
                     sqlstate=sqlstate,
                 )
-                return _with_run_id(result, self.store.insert_run(c, result, self.worker))
+                return replace(result, run_id=self.store.insert_run(c, result, self.runner.worker))
 
-        if not conn.invalidated:
+        if not self.conn.invalidated:
             try:
-                return save(conn)
+                return save(self.conn)
             except Exception:
                 log.debug("pgjobs: recording %s's failure on its own connection failed", job.name)
         # The job's connection broke with the job: record on a new one.
-        with self.engine.connect() as other:
+        with self.runner.engine.connect() as other:
             return save(other)
 
-    def _record(self, conn: Connection, result: RunResult) -> RunResult:
+    def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:
         """The run record of a tick that changed nothing (idle, busy, not due,
         backing off): BEGIN and the insert in one round trip, committed
         without waiting for the WAL flush (a crash may lose the last few such
         records, nothing else; a job's own record and state are written in
         its transaction, a failure's with a synchronous commit)."""
-        with conn.begin():
-            raw = driver(conn)
-            with raw.pipeline():
-                raw.execute(*set_local(_ASYNC_COMMIT))
-                cur = raw.execute(*self.store.run_query(result, self.worker))
-            row = cur.fetchone()
-            assert row is not None
-        return _with_run_id(result, int(row[0]))
-
-    def prune(self, keep: timedelta = timedelta(days=7)) -> int:
-        """Delete run records older than ``keep``; returns how many."""
-        with self.engine.connect() as conn:
-            self.store.ensure(conn)
-            with conn.begin():
-                return self.store.prune(conn, keep=keep, now=self.clock())
-
-
-def _send_before_commit(conn: Connection, ctx: RunContext) -> None:
-    """Send (and forget) the statements the job left for its commit."""
-    raw = driver(conn)
-    statements, ctx.before_commit = ctx.before_commit, []
-    for statement, params in statements:
-        raw.execute(statement, params)
+        result = RunResult(
+            job=self.job.name,
+            outcome=outcome,
+            started_at=self.started,
+            finished_at=self.runner.clock(),
+            **fields,
+        )
+        with self.conn.begin():
+            _, recorded = send(
+                self.conn,
+                set_local(_ASYNC_COMMIT),
+                self.store.run_query(result, self.runner.worker),
+            )
+        return replace(result, run_id=int(recorded.scalar()))
 
 
-def _with_run_id(result: RunResult, run_id: int) -> RunResult:
-    from dataclasses import replace
-
-    return replace(result, run_id=run_id)
-
-
-def install(database: str | Engine | None = None, *, schema: str = DEFAULT_SCHEMA) -> None:
-    """Create (or upgrade) pgjobs' own tables in ``schema``, idempotently and
-    safely when several processes do it at once. The first tick does it too;
-    call it before :func:`pgjobs.enqueue` in a fresh database."""
-    with Runner(database, schema=schema) as runner:
-        runner.install()
-
-
-def run_once(
-    job: Job | str,
-    database: str | Engine | None = None,
-    *,
-    namespace: str = DEFAULT_NAMESPACE,
-    schema: str = DEFAULT_SCHEMA,
-    force: bool = False,
-    progress: Progress | None = None,
-) -> RunResult:
-    """Run one tick of ``job`` (a job object or a registered name).
-
-    >>> result = pgjobs.run_once(job, database="postgresql://localhost/app")
-    >>> result.outcome, result.stats
-    """
-    if isinstance(job, str):
-        from .registry import get_registry
-
-        job = get_registry().get(job)
-    with Runner(database, namespace=namespace, schema=schema) as runner:
-        return runner.tick(job, force=force, progress=progress)
-
-
-__all__ = ["RunContext", "Runner", "install", "run_once"]
+__all__ = ["BODIES", "Runner", "body_of"]

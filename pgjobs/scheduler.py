@@ -34,6 +34,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from .checks import check_jobs
 from .durations import Duration, parse_duration
 from .errors import ConfigError
 from .jobs import Job
@@ -67,7 +68,7 @@ class Scheduler:
     ``jobs``: a :class:`~pgjobs.registry.Registry` or job objects (disabled
     jobs are left out). ``database``: a URL, an Engine, or ``None`` for
     ``$PGJOBS_DATABASE_URL``. ``check`` verifies the jobs against the
-    database at :meth:`start` (see :meth:`Registry.check`), before anything
+    database at :meth:`start` (see :func:`pgjobs.checks.check_jobs`), before anything
     is written. ``on_result`` is called with every tick's
     :class:`~pgjobs.RunResult`, from the worker thread.
 
@@ -180,7 +181,7 @@ class Scheduler:
             if self._aps is not None:
                 return
             if self.check:
-                self.registry.check(self.runner.engine, self.jobs)
+                check_jobs(self.runner.engine, [self.registry.entry(n) for n in self.jobs])
             self.runner.install()
             self._stopping.clear()
             aps = BackgroundScheduler(

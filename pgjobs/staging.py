@@ -40,7 +40,7 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import FromClause, Select, SelectBase
 from sqlalchemy.sql.sqltypes import NullType
 
-from ._pg import analyze, analyze_statements, driver, execute
+from ._pg import Later, analyze, analyze_statements, driver, execute, later, send
 from .errors import ConfigError, JobError
 from .target import Target
 
@@ -282,7 +282,10 @@ _names_seen: dict[str, tuple[str, ...]] = {}
 _NAMES_SEEN_SIZE = 256
 
 _SAVEPOINT_STAGE = sql.SQL("savepoint pgjobs_stage")
-_ROLLBACK_STAGE = sql.SQL("rollback to savepoint pgjobs_stage; release savepoint pgjobs_stage")
+_ROLLBACK_STAGE = [
+    (sql.SQL("rollback to savepoint pgjobs_stage"), None),
+    (sql.SQL("release savepoint pgjobs_stage"), None),
+]
 
 
 def _stage_plain(
@@ -297,44 +300,44 @@ def _stage_plain(
     savepoint, beside the LIMIT 0 probe that says what its names are now;
     should they differ (DDL under a ``*``), the load is rolled back and done
     again with the new ones."""
-    raw = driver(conn)
     probe_sql = _probe_sql(query)
     seen = _names_seen.get(query)
     if seen is not None:
         columns = _check_columns(target, seen, "the new rows' SQL")
         name = session_name(target, "stage", columns)
-        loaded = _load_as_seen(raw, target, name, columns, query, params, probe_sql, seen)
+        loaded = _load_as_seen(conn, target, name, columns, query, params, probe_sql, seen)
         if isinstance(loaded, int):
             return name, columns, loaded
         names = loaded
     else:
-        probe = raw.execute(probe_sql, params)
-        names = tuple(d.name for d in probe.description or ())
+        (probe,) = send(conn, (probe_sql, params))
+        names = probe.columns or ()
     columns = _check_columns(target, names, "the new rows' SQL")
     if len(_names_seen) >= _NAMES_SEEN_SIZE:
         _names_seen.clear()
     _names_seen[query] = names
     name = session_name(target, "stage", columns)
-    with _key_errors(target), raw.pipeline():
-        inserted = _send_load(raw, target, name, names, columns, query, params)
-        repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
-    _check_repeated(target, repeated.fetchone())
-    return name, columns, max(inserted.rowcount, 0)
+    with _key_errors(target):
+        inserted = _queue_load(conn, target, name, names, columns, query, params)
+        (repeated,) = send(conn, (_repeated_key_sql(target, sql.Identifier(name)), None))
+    assert inserted.result is not None
+    _check_repeated(target, repeated.one())
+    return name, columns, max(inserted.result.rowcount, 0)
 
 
-def _send_load(
-    raw: psycopg.Connection[Any],
+def _queue_load(
+    conn: Connection,
     target: Target,
     name: str,
     names: tuple[str, ...],
     columns: tuple[str, ...],
     query: str,
     params: dict[str, Any],
-) -> psycopg.Cursor[Any]:
-    """Send the stage table's preparation and the load (in a pipeline)."""
+) -> Later:
+    """Queue the stage table's preparation and the load for the next round trip."""
     for statement in _prepare_statements(target, name, columns):
-        raw.execute(statement)
-    return raw.execute(_insert_sql(sql.Identifier(name), names, query), params)
+        later(conn, statement)
+    return later(conn, _insert_sql(sql.Identifier(name), names, query), params)
 
 
 def _probe_sql(query: str) -> sql.Composed:
@@ -352,7 +355,7 @@ def _insert_sql(ident: sql.Identifier, names: Sequence[str], query: str) -> sql.
 
 
 def _load_as_seen(
-    raw: psycopg.Connection[Any],
+    conn: Connection,
     target: Target,
     name: str,
     columns: tuple[str, ...],
@@ -364,32 +367,27 @@ def _load_as_seen(
     """Load ``query`` with the names ``seen`` last time: the rows loaded, or
     the names the query has now when they differ (the load rolled back)."""
 
-    def names_now() -> tuple[str, ...] | None:
-        if probe is None or probe.pgresult is None or probe.description is None:
-            return None  # the query failed before its names were known
-        return tuple(d.name for d in probe.description)
-
-    probe: psycopg.Cursor[Any] | None = None
+    later(conn, _SAVEPOINT_STAGE)
+    probe = later(conn, probe_sql, params)
     try:
-        with _key_errors(target), raw.pipeline():
-            raw.execute(_SAVEPOINT_STAGE)
-            probe = raw.execute(probe_sql, params)
-            inserted = _send_load(raw, target, name, seen, columns, query, params)
-            repeated = raw.execute(_repeated_key_sql(target, sql.Identifier(name)))
+        with _key_errors(target):
+            inserted = _queue_load(conn, target, name, seen, columns, query, params)
+            (repeated,) = send(conn, (_repeated_key_sql(target, sql.Identifier(name)), None))
     except (psycopg.Error, JobError):
-        now = names_now()
-        if now is None or now == seen:
+        # the query failed before its names were known, or they are the same
+        if probe.result is None or probe.result.columns in (None, seen):
             raise
-        raw.execute(_ROLLBACK_STAGE)
-        return now
-    now = names_now()
+        send(conn, *_ROLLBACK_STAGE)
+        return probe.result.columns
+    now = probe.result.columns if probe.result else None
     assert now is not None  # the probe ran: the load after it did
     if now != seen:
-        raw.execute(_ROLLBACK_STAGE)
+        send(conn, *_ROLLBACK_STAGE)
         return now
     # The savepoint stays (the commit releases it): no round trip for it.
-    _check_repeated(target, repeated.fetchone())
-    return max(inserted.rowcount, 0)
+    assert inserted.result is not None
+    _check_repeated(target, repeated.one())
+    return max(inserted.result.rowcount, 0)
 
 
 def _repeated_key_sql(target: Target, ident: sql.Identifier) -> sql.Composed:
@@ -421,16 +419,17 @@ def _stage_plain_temp(
     connection: its column names (planned with LIMIT 0), then the table, the
     load, the key and ``ANALYZE`` in one round trip. A repeated or NULL key
     fails the transaction (nothing is written before a stage)."""
-    raw = driver(conn)
-    probe = raw.execute(_probe_sql(query), params)
-    names = tuple(d.name for d in probe.description or ())
+    (probe,) = send(conn, (_probe_sql(query), params))
+    names = probe.columns or ()
     columns = _check_columns(target, names, "the new rows' SQL")
-    with _key_errors(target), raw.pipeline():
-        raw.execute(_create_sql(target, ident, columns, preserve))
-        inserted = raw.execute(_insert_sql(ident, names, query), params)
-        raw.execute(_add_key_sql(target, ident))
-        for statement in analyze_statements(ident, target.key):
-            raw.execute(statement)
+    with _key_errors(target):
+        _, inserted, *_ = send(
+            conn,
+            (_create_sql(target, ident, columns, preserve), None),
+            (_insert_sql(ident, names, query), params),
+            (_add_key_sql(target, ident), None),
+            *((statement, None) for statement in analyze_statements(ident, target.key)),
+        )
     return columns, max(inserted.rowcount, 0)
 
 

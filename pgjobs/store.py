@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
@@ -22,7 +22,7 @@ from psycopg import errors, sql
 from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
-from ._pg import driver, execute, set_local
+from ._pg import driver, execute, send, set_local
 from .results import RunResult
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,26 @@ class JobState:
     last_success_at: datetime | None = None
     last_failure_at: datetime | None = None
     last_error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Status:
+    """What :meth:`Store.status` read: rows of ``job_state`` and of ``run``
+    (as dicts by column name), by job name."""
+
+    now: datetime
+    installed: bool
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: each job's last run, whatever its outcome
+    last: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: each job's last run that ran
+    last_ran: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
+    names = [d.name for d in cursor.description or ()]
+    job = names.index("job")
+    return {row[job]: dict(zip(names, row, strict=True)) for row in cursor}
 
 
 class Store:
@@ -128,16 +148,14 @@ class Store:
         """The job's persisted state; ``settings`` are set for the current
         transaction in the same round trip (``transaction_read_only``,
         ``lock_timeout``, ...)."""
-        raw = driver(conn)
-        # in a pipeline: the BEGIN psycopg sends first travels with it
-        with raw.pipeline():
-            cur = raw.execute(*self.state_query(job, settings=settings))
-        return self.state_from_row(job, cur.fetchone())
+        # (a transaction's BEGIN travels with it: see pgjobs._pg.send)
+        (row,) = send(conn, self.state_query(job, settings=settings))
+        return self.state_from_row(job, row.one())
 
     def state_query(
         self, job: str, *, settings: Mapping[str, str] | None = None
     ) -> tuple[sql.Composed, list[Any]]:
-        """:meth:`read_state`'s statement and parameters, to pipeline with others."""
+        """:meth:`read_state`'s statement and parameters, to send with others."""
         cfg, params = set_local(settings or {})
         query = sql.SQL(
             "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
@@ -245,6 +263,32 @@ class Store:
                 " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at) {}"
             ).format(self.table("job_state"), insert)
         return insert, params
+
+    # -- status ------------------------------------------------------------
+    def status(self, conn: Connection) -> Status:
+        """What ``pgjobs status`` shows: per job, its state, its last run and
+        its last run that ran. Reads only: where pgjobs' tables are not
+        installed, ``installed`` is false and nothing is created."""
+        now = execute(conn, "select now()").fetchone()
+        assert now is not None
+        state_table = self.table("job_state").as_string(driver(conn))
+        found = execute(conn, "select to_regclass(%s) is not null", (state_table,)).fetchone()
+        if not (found and found[0]):
+            return Status(now=now[0], installed=False)
+        latest = sql.SQL(
+            "select distinct on (job) * from {} {} order by job, started_at desc, id desc"
+        )
+        return Status(
+            now=now[0],
+            installed=True,
+            states=_rows_by_job(
+                execute(conn, sql.SQL("select * from {}").format(self.table("job_state")))
+            ),
+            last=_rows_by_job(execute(conn, latest.format(self.table("run"), sql.SQL("")))),
+            last_ran=_rows_by_job(
+                execute(conn, latest.format(self.table("run"), sql.SQL("where outcome = 'ran'")))
+            ),
+        )
 
     def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
         """Delete runs that started more than ``keep`` before ``now``."""

@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import execute, qualified, swap_settings
+from ._pg import execute, flush, later, qualified, swap_settings
 from .errors import ConfigError
 from .jobs import Parent
 
@@ -299,25 +299,26 @@ _REFLECTED_SIZE = 256
 _GENERIC_PLAN, _PLAN_BACK = swap_settings({"plan_cache_mode": "force_generic_plan"})
 
 
-#: reads a fingerprint sent ahead (see :func:`send_fingerprint`)
+#: reads a fingerprint queued ahead (see :func:`prefetch_fingerprint`)
 Prefetched = Callable[[], Any]
 
 
-def _send_fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Prefetched:
+def _queue_fingerprint(conn: Connection, names: list[str]) -> Prefetched:
     for statement in _GENERIC_PLAN:
-        pg.execute(statement)
+        later(conn, statement)
     # prepared as the connection prepares (psycopg's prepare_threshold:
     # after 5 runs by default; never where it is None, e.g. behind a
     # transaction-pooling pgbouncer)
-    cur = pg.execute(_FINGERPRINT, {"names": names, "target": names[0]})
-    pg.execute(_PLAN_BACK)
-    return cur.fetchone
+    check = later(conn, _FINGERPRINT, {"names": names, "target": names[0]})
+    later(conn, _PLAN_BACK)
 
+    def read() -> Any:
+        if check.result is None:  # not sent yet
+            flush(conn)
+        assert check.result is not None
+        return check.result.one()
 
-def _fingerprint(pg: psycopg.Connection[Any], names: list[str]) -> Any:
-    with pg.pipeline():
-        read = _send_fingerprint(pg, names)
-    return read()
+    return read
 
 
 def _names(pg: psycopg.Connection[Any], target: str, parents: Sequence[Parent]) -> list[str]:
@@ -327,14 +328,16 @@ def _names(pg: psycopg.Connection[Any], target: str, parents: Sequence[Parent]) 
         return []  # _resolve raises the error
 
 
-def send_fingerprint(
-    pg: psycopg.Connection[Any], target: str, parents: Sequence[Parent] = ()
+def prefetch_fingerprint(
+    conn: Connection, target: str, parents: Sequence[Parent] = ()
 ) -> Prefetched | None:
-    """Send :func:`reflect_target`'s catalog check ahead, on ``pg`` inside the
-    caller's pipeline (the runner's lock round trip); pass what this returns
-    to ``reflect_target(..., prefetched=)``, in the same transaction."""
+    """Queue :func:`reflect_target`'s catalog check for the next round trip
+    on ``conn`` (the runner's lock round trip); pass what this returns to
+    ``reflect_target(..., prefetched=)``, in the same transaction."""
+    pg = conn.connection.driver_connection
+    assert isinstance(pg, psycopg.Connection)
     names = _names(pg, target, parents)
-    return _send_fingerprint(pg, names) if names else None
+    return _queue_fingerprint(conn, names) if names else None
 
 
 def reflect_target(
@@ -356,7 +359,7 @@ def reflect_target(
     NOT NULL and covered by a unique index (a unique constraint or index on
     those columns or on a subset of them). ``parents``: parents no foreign
     key declares; they are locked and checked like reflected ones.
-    ``prefetched``: the catalog check, sent ahead by :func:`send_fingerprint`.
+    ``prefetched``: the catalog check, queued ahead by :func:`prefetch_fingerprint`.
 
     Generated columns and identity columns are never written (identity
     columns ``BY DEFAULT`` are, when they are part of the key: the new rows
@@ -380,7 +383,7 @@ def reflect_target(
     names = _names(pg, target, parents)
     if names:
         # taken before the reflection: a change in between reflects again next time
-        fingerprint = prefetched() if prefetched is not None else _fingerprint(pg, names)
+        fingerprint = (prefetched if prefetched is not None else _queue_fingerprint(conn, names))()
         cached = _reflected.get(cache_key)
         if cached is not None and fingerprint is not None and cached[0] == fingerprint:
             return cached[1]

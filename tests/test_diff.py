@@ -13,7 +13,9 @@ from psycopg import sql
 from sqlalchemy import column, null, select, table
 
 import pgjobs
-from pgjobs.diff import Scope, reflect_target, stage, write_diff
+from pgjobs.diff import Scope, write_diff
+from pgjobs.staging import stage
+from pgjobs.target import reflect_target
 from pgjobs.errors import ConfigError
 from pgjobs.testing import run_sql
 

@@ -29,7 +29,9 @@ from psycopg import sql
 from sqlalchemy import text
 
 import pgjobs
-from pgjobs.diff import reflect_target, stage, write_diff
+from pgjobs.diff import write_diff
+from pgjobs.staging import stage
+from pgjobs.target import reflect_target
 
 PARENTS = 40
 PER_PARENT = 5

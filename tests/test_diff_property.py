@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from psycopg.types.json import Json
 
 import pgjobs
-import pgjobs.diff
+import pgjobs.diff.plan
 
 PARENTS = range(1, 7)
 TAGS = range(1, 4)
@@ -159,19 +159,19 @@ def test_target_equals_new_rows_minus_dead_parents(
     )
     # keyed: plan every pass as nested loops over the key index, as the writer
     # does for passes touching few of a large target's rows
-    saved = pgjobs.diff._keyed_pass
+    saved = pgjobs.diff.plan.keyed_pass
     decisions: list[bool] = []
 
     def keyed_pass(rows: int, target_rows: float) -> bool:
         decisions.append(keyed)
         return keyed
 
-    pgjobs.diff._keyed_pass = keyed_pass
+    pgjobs.diff.plan.keyed_pass = keyed_pass
     try:
         with pgjobs.Runner(engine) as runner:
             result = runner.tick(job, force=True, progress=progress)
     finally:
-        pgjobs.diff._keyed_pass = saved
+        pgjobs.diff.plan.keyed_pass = saved
     assert result.outcome == "ran", result.error
     assert set(decisions) <= {keyed}
     assert decisions or not any(result.detail["planned"].values())  # no pass: nothing to write

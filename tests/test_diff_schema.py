@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine
 
 import pgjobs
-from pgjobs.diff import reflect_target
+from pgjobs.target import reflect_target
 from pgjobs.errors import ConfigError
 from pgjobs.testing import run_sql
 

@@ -12,8 +12,9 @@ from psycopg import sql
 from sqlalchemy import create_engine
 
 import pgjobs
-from pgjobs.diff import Scope, reflect_target, stage, write_diff
-from pgjobs.target import send_fingerprint
+from pgjobs.diff import Scope, write_diff
+from pgjobs.staging import stage
+from pgjobs.target import prefetch_fingerprint, reflect_target
 from pgjobs.testing import run_sql
 
 SCHEMA = """
@@ -202,9 +203,7 @@ def test_a_fingerprint_sent_ahead_in_a_pipeline_validates_the_cache_the_same_way
     run_sql(engine, SCHEMA)
 
     def reflect_with_prefetch(conn):
-        pg = conn.connection.driver_connection
-        with pg.pipeline():
-            prefetched = send_fingerprint(pg, "derived")
+        prefetched = prefetch_fingerprint(conn, "derived")
         assert prefetched is not None
         return reflect_target(conn, "derived", prefetched=prefetched)
 
@@ -218,8 +217,7 @@ def test_a_fingerprint_sent_ahead_in_a_pipeline_validates_the_cache_the_same_way
         assert second is not first and "w" in second.columns
         with conn.begin():
             assert reflect_with_prefetch(conn) is second
-            pg = conn.connection.driver_connection
-            assert send_fingerprint(pg, "no.such.table") is None  # _resolve names the error
+            assert prefetch_fingerprint(conn, "no.such.table") is None  # _resolve names the error
 
 
 def test_a_small_scope_is_read_by_key_and_a_large_one_by_join(engine):

@@ -31,6 +31,7 @@ import pytest
 from click.testing import CliRunner
 
 import pgjobs
+from pgjobs.checks import check_jobs
 from pgjobs.cli import cli
 from pgjobs.database import normalize_url
 
@@ -177,7 +178,7 @@ def test_exams_plugin_registers_and_runs_its_jobs(db_url: str) -> None:
     plugin = sys.modules["exams_jobs"]
 
     with pgjobs.Runner(db_url, namespace=config.namespace, schema=config.schema) as runner:
-        registry.check(runner.engine)
+        check_jobs(runner.engine, registry.entries())
         first = runner.tick(scores, force=True)
         assert first.outcome is pgjobs.Outcome.RAN, first.error
         assert first.stats.inserted == 5000  # 1,000 exams x 5 students

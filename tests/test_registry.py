@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 
 import pgjobs
 from pgjobs.config import Config, load_config
+from pgjobs.checks import check_jobs
 from pgjobs.registry import Registry, get_registry, set_registry
 
 
@@ -402,7 +403,7 @@ def test_check_names_the_job_and_what_is_wrong_and_writes_nothing(
     owner = plugin(TASK.format(name="other"))
     registry = Registry.from_jobs([job], owner=owner.__name__)
     with pytest.raises(pgjobs.ConfigError) as info:
-        registry.check(engine)
+        check_jobs(engine, registry.entries())
     assert str(info.value).startswith(f"job 'j' (plugin '{owner.__name__}')"), info.value
     assert expected in str(info.value)
     assert not _pgjobs_schema_exists(engine)
@@ -426,8 +427,8 @@ def test_check_passes_good_jobs(engine: Engine) -> None:
             pgjobs.TaskJob(name="anything", run=lambda conn: None),
         ]
     )
-    registry.check(engine)
-    registry.check(engine, ["scores"])
+    check_jobs(engine, registry.entries())
+    check_jobs(engine, [registry.entry("scores")])
     assert not _pgjobs_schema_exists(engine)
     with engine.connect() as conn:
         assert conn.execute(text("select count(*) from exam_score")).scalar() == 0
@@ -442,7 +443,7 @@ def test_check_names_the_config_key_for_config_jobs(engine: Engine, tmp_path: Pa
     )
     registry = Registry.load(load_config(path), entry_points=False)
     with pytest.raises(pgjobs.ConfigError) as info:
-        registry.check(engine)
+        check_jobs(engine, registry.entries())
     assert str(info.value).startswith(f'{path}: jobs.scores.sql: the query fails: column "scor"')
 
 

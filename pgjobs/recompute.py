@@ -1,0 +1,131 @@
+"""The body of a :class:`~pgjobs.RecomputeJob`: compute the new rows into
+an analyzed temp table holding no row lock, then let the diff writer
+(:mod:`pgjobs.diff`) write only the difference.
+
+The runner (:mod:`pgjobs.runner`) calls :data:`BODY` inside the job's
+transaction with the group lock held. Staging is :mod:`pgjobs.staging`,
+the target's reflection :mod:`pgjobs.target`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from psycopg import sql
+from sqlalchemy.engine import Connection
+
+from ._pg import execute
+from .diff import write_diff
+from .errors import JobError
+from .jobs import RecomputeJob, RunContext
+from .results import Execution
+from .staging import stage
+from .target import describe, prefetch_fingerprint, reflect_target
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+_LEFTOVERS = """
+select c.relname from pg_class c
+where c.relnamespace = pg_my_temp_schema() and c.relkind = 'r'
+  and c.relname ~ '^pgjobs_(stage|diff|need|alive|gone|bad|selfparents|selflocked)_[0-9]+$'
+"""
+
+
+def _drop_leftovers(conn: Connection) -> None:
+    """Drop the temp tables a failed chunked run left in this session.
+
+    Chunked runs keep theirs across commits (``ON COMMIT PRESERVE ROWS``) and
+    drop them at the end; a run that failed half-way cannot, and a pooled
+    connection would carry them on. At the start of a recompute's
+    transaction any such table is a leftover: the others are dropped at
+    commit."""
+    names = [r[0] for r in execute(conn, _LEFTOVERS).fetchall()]
+    if names:
+        execute(
+            conn,
+            sql.SQL("drop table if exists {}").format(
+                sql.SQL(", ").join(sql.Identifier(n) for n in names)
+            ),
+        )
+        log.info("pgjobs: dropped %d temp table(s) left by a failed chunked run", len(names))
+
+
+def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
+    """The body of a :class:`~pgjobs.RecomputeJob`: compute and stage the new
+    rows holding no row lock, then :func:`~pgjobs.diff.write_diff`. Runs inside the job's
+    transaction with the group lock held."""
+    started = time.perf_counter()
+    chunked = job.chunk_parents is not None
+    if chunked and ctx.checkpoint is None:
+        raise JobError(
+            f"RecomputeJob {job.name!r}: chunk_parents needs a runner that can checkpoint"
+        )
+    if chunked:
+        _drop_leftovers(conn)
+    target = reflect_target(
+        conn,
+        job.target,
+        key=job.key,
+        parents=job.parents,
+        prefetched=ctx.extra.pop("fingerprint", None),
+    )
+    ctx.report("compute", None, None)
+    source = job.compute if isinstance(job.compute, str) else job.compute(conn)
+    ctx.report("stage", None, None)
+    staged = stage(conn, target, source, preserve=chunked)
+    ctx.report("stage", staged.rows, staged.rows)
+    compute_seconds = time.perf_counter() - started
+    result = write_diff(
+        conn,
+        target,
+        staged,
+        chunk_parents=job.chunk_parents,
+        checkpoint=ctx.checkpoint,
+        progress=ctx.progress,
+    )
+    if chunked:
+        execute(conn, sql.SQL("drop table if exists {}").format(staged.table))
+    detail = {
+        "target": describe(target),
+        "staged_rows": staged.rows,
+        "diff_seconds": round(result.diff_seconds, 6),
+        "chunks": result.chunks,
+        "max_chunk_lock_seconds": round(result.max_chunk_lock_seconds, 6),
+        "deferred": result.deferred,
+        **result.detail,
+    }
+    return Execution(
+        stats=result.stats,
+        compute_seconds=compute_seconds,
+        write_seconds=result.write_seconds,
+        lock_seconds=result.lock_seconds,
+        detail=detail,
+    )
+
+
+class RecomputeBody:
+    """How the runner runs a :class:`~pgjobs.RecomputeJob`."""
+
+    def work_query(
+        self, job: RecomputeJob, ctx: RunContext
+    ) -> tuple[sql.Composed, Sequence[Any]] | None:
+        return None
+
+    def check_work(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> bool:
+        return True if job.has_work is None else bool(job.has_work(conn))
+
+    def prefetch(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> None:
+        # the reflection cache's catalog check (see reflect_target)
+        ctx.extra["fingerprint"] = prefetch_fingerprint(conn, job.target, job.parents)
+
+    def execute(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
+        return run_recompute(conn, job, ctx)
+
+
+BODY = RecomputeBody()

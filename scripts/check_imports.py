@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""The house rules of pgjobs' imports, read from the source with ``ast``:
+
+1. no import cycle among pgjobs' modules (imports under ``TYPE_CHECKING``
+   and inside functions count too: a cycle hidden in a function is still one);
+2. a module imports only from its own layer or the layers below it.
+
+Layers, top to bottom (``docs/DESIGN.md`` draws them)::
+
+    face         cli, scheduler, api, testing, demo, web, metrics, __init__
+    definitions  checks, registry, config, hookspecs
+    protocol     runner
+    bodies       recompute, worker
+    writers      diff, staging, target, queue, store, locking, database, embedded
+    model        jobs, results, errors, durations, backoff
+    base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
+
+A module not listed is refused: put it on a floor. Exit 1 with what is
+wrong; ``--graph`` prints every arrow. Run by ``scripts/check`` (and CI).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "pgjobs"
+
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "face",
+        {"__init__", "__main__", "cli", "scheduler", "api", "testing", "demo", "web", "metrics"},
+    ),
+    ("definitions", {"checks", "registry", "config", "hookspecs"}),
+    ("protocol", {"runner"}),
+    ("bodies", {"recompute", "worker"}),
+    (
+        "writers",
+        {
+            "diff",
+            "staging",
+            "target",
+            "queue",
+            "store",
+            "locking",
+            "database",
+            "embedded",
+            "listener",
+        },
+    ),
+    ("model", {"jobs", "results", "errors", "durations", "backoff"}),
+    ("base", {"_pg"}),
+]
+
+
+def module_name(path: Path) -> str:
+    """``pgjobs/diff/rows.py`` -> ``diff.rows``; ``pgjobs/demo/__init__.py`` -> ``demo``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def floor_of(module: str) -> int | None:
+    top = module.split(".")[0]
+    for index, (_, members) in enumerate(LAYERS):
+        if top in members:
+            return index
+    return None
+
+
+def imports_of(path: Path, module: str, known: set[str]) -> set[str]:
+    """The pgjobs modules ``path`` imports, wherever the import statement is."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    if module == "__init__":
+        package = []
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        # the longest known module the dotted name starts with
+        parts = name.split(".")
+        while parts:
+            candidate = ".".join(parts)
+            if candidate in known:
+                if candidate != module:
+                    found.add(candidate)
+                return
+            parts.pop()
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "pgjobs" or alias.name.startswith("pgjobs."):
+                    add(alias.name.removeprefix("pgjobs").lstrip(".") or "__init__")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                prefix = ".".join(base)
+            elif node.module and (node.module == "pgjobs" or node.module.startswith("pgjobs.")):
+                prefix = ""
+                node_module = node.module.removeprefix("pgjobs").lstrip(".")
+                target = node_module
+                for alias in node.names:
+                    add(f"{target}.{alias.name}" if target else alias.name)
+                if target:
+                    add(target)
+                continue
+            else:
+                continue
+            target = ".".join(p for p in (prefix, node.module or "") if p)
+            for alias in node.names:
+                add(f"{target}.{alias.name}" if target else alias.name)
+            if target:
+                add(target)
+            elif not node.names:
+                add("__init__")
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    known = set(files) | {"__init__"}
+    return {name: imports_of(path, name, known) for name, path in files.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def problems(edges: dict[str, set[str]]) -> list[str]:
+    out = []
+    for component in cycles(edges):
+        out.append(f"import cycle: {' <-> '.join(component)}")
+    for module in sorted(edges):
+        floor = floor_of(module)
+        if floor is None:
+            out.append(f"{module}: on no floor; add it to LAYERS in {Path(__file__).name}")
+            continue
+        for target in sorted(edges[module]):
+            target_floor = floor_of(target)
+            if target_floor is not None and target_floor < floor:
+                out.append(
+                    f"{module} ({LAYERS[floor][0]}) imports {target} ({LAYERS[target_floor][0]}),"
+                    " a layer above it"
+                )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    edges = graph()
+    if "--graph" in argv:
+        for module in sorted(edges):
+            print(f"{module} -> {', '.join(sorted(edges[module])) or '-'}")
+    found = problems(edges)
+    for line in found:
+        print(f"check_imports: {line}", file=sys.stderr)
+    if found:
+        return 1
+    print(f"check_imports: {len(edges)} modules, no cycle, every import one way")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
