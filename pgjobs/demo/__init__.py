@@ -11,7 +11,7 @@ With no database it starts an embedded PostgreSQL in a temporary directory
 (the ``embedded`` extra) and removes it afterwards; with a URL it works in
 schemas of its own (``pgjobs_demo_<random>_*``) and drops them at the end.
 Read on: ``scenario.py`` (tables, SQL, options), ``design.py`` and the
-designs, ``users.py``, ``timed.py``, ``report.py``.
+designs, ``users.py``, ``timed.py``, ``lag.py`` (queue lag), ``report.py``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from sqlalchemy.engine import Connection, Engine
 
+from .lag import LagTally
 from .report import JobTally, Scripted
 from .scenario import RECOMPUTE, WORKER, DemoOptions
 
@@ -57,6 +58,7 @@ class Design:
         """Count from zero: a timed run's figures are its own."""
         self.worker = JobTally(WORKER)
         self.recompute = JobTally(RECOMPUTE)
+        self.lag = LagTally()
 
     def enqueue(self, conn: Connection, exam: int) -> None:
         """Queue ``exam`` for the worker, in the caller's transaction."""

@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .design import Design
+from .lag import current_snapshot
 from .report import Scripted
 from .scenario import COMPUTE_SQL, UPSERT_STATUS, DemoOptions, sqlstate
 from .users import UserDelete
@@ -31,6 +32,7 @@ _CLAIM = (
     "delete from naive_queue where exam_id = (select exam_id from naive_queue"
     " order by exam_id limit 1 for update skip locked) returning exam_id"
 )
+_EXISTS = "select 1 from exam where id = :x"
 _INSERT_SCORES = (
     "insert into exam_score (exam_id, student_id, score)"
     " select * from unnest(cast(:e as bigint[]), cast(:s as integer[]), cast(:v as integer[]))"
@@ -122,32 +124,37 @@ class Naive(Design):
     # One item per transaction, its derived rows first, its status row last:
     # the opposite of the recompute's order.
     def _work_item(self, *, after_compute: Callable[[int], None] | None = None) -> _ItemDone | None:
-        with self.engine.connect() as conn, conn.begin():
-            row = conn.execute(text(_CLAIM)).first()
-            if row is None:
-                return None
-            exam = int(row[0])
-            if conn.execute(text("select 1 from exam where id = :x"), {"x": exam}).first() is None:
-                return _ItemDone()  # deleted since it was queued: drop the item
-            t0 = time.perf_counter()
-            rows = conn.execute(text(COMPUTE_SQL + " where s.exam_id = :x"), {"x": exam}).all()
-            if after_compute is not None:
-                after_compute(exam)
-            t1 = time.perf_counter()
-            deleted = conn.execute(
-                text("delete from exam_score where exam_id = :x"), {"x": exam}
-            ).rowcount
-            if rows:
-                conn.execute(
-                    text(_INSERT_SCORES),
-                    {
-                        "e": [r[0] for r in rows],
-                        "s": [r[1] for r in rows],
-                        "v": [r[2] for r in rows],
-                    },
-                )
-            conn.execute(text(UPSERT_STATUS), {"ids": [exam]})
-            t2 = time.perf_counter()
+        with self.engine.connect() as conn:
+            with conn.begin():
+                row = conn.execute(text(_CLAIM)).first()
+                if row is None:
+                    return None
+                exam = int(row[0])
+                # Taken before the compute: an enqueue it saw committed is one
+                # the compute sees too (see lag.py).
+                snapshot = current_snapshot(conn)
+                if conn.execute(text(_EXISTS), {"x": exam}).first() is None:
+                    return _ItemDone()  # deleted since it was queued: drop the item
+                t0 = time.perf_counter()
+                rows = conn.execute(text(COMPUTE_SQL + " where s.exam_id = :x"), {"x": exam}).all()
+                if after_compute is not None:
+                    after_compute(exam)
+                t1 = time.perf_counter()
+                deleted = conn.execute(
+                    text("delete from exam_score where exam_id = :x"), {"x": exam}
+                ).rowcount
+                if rows:
+                    conn.execute(
+                        text(_INSERT_SCORES),
+                        {
+                            "e": [r[0] for r in rows],
+                            "s": [r[1] for r in rows],
+                            "v": [r[2] for r in rows],
+                        },
+                    )
+                conn.execute(text(UPSERT_STATUS), {"ids": [exam]})
+                t2 = time.perf_counter()
+            self.lag.processed([exam], snapshot, time.monotonic())
         return _ItemDone(inserted=len(rows), deleted=deleted, compute=t1 - t0, write=t2 - t1)
 
     def _worker_pass(self, stop: threading.Event | None) -> None:

@@ -3,13 +3,17 @@
 Both jobs share one lock group and are ticked by a :class:`pgjobs.Scheduler`,
 the way ``pgjobs run`` and ``pgjobs.lifespan`` drive them; users enqueue with
 :func:`pgjobs.enqueue` in their own transactions. Only the public API is used.
-See ``design.py`` for the interface and ``naive.py`` for the design this one
-replaces.
+The worker's ``after`` (the status rows) also notes, for the queue lag, which
+items its transaction processed; ``on_result`` stamps them once that
+transaction has committed. See ``design.py`` for the interface and
+``naive.py`` for the design this one replaces.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -18,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 import pgjobs
 
 from .design import Design, Place
+from .lag import Snapshot, current_snapshot
 from .report import Scripted
 from .scenario import COMPUTE_SQL, GROUP, RECOMPUTE, UPSERT_STATUS, WORKER, DemoOptions
 from .users import UserDelete
@@ -34,6 +39,8 @@ class PgJobsDesign(Design):
         self.target = f"{place.schema}.exam_score"
         self.runner = pgjobs.Runner(engine, namespace=place.namespace, schema=place.store_schema)
         self.runner.install()
+        # Items each worker thread's open transaction processed (see _after).
+        self._local = threading.local()
         self.worker_job = pgjobs.QueueJob(
             name=WORKER,
             group=GROUP,
@@ -65,8 +72,16 @@ class PgJobsDesign(Design):
 
     def _after(self, conn: Connection, keys: list[tuple[Any, ...]], _stats: object) -> None:
         """The queue worker's ``after``: the status rows, last (the parents are
-        already locked by pgjobs, the scores written)."""
+        already locked by pgjobs, the scores written). Then, for the queue
+        lag, the items done and what this transaction saw committed."""
         conn.execute(text(UPSERT_STATUS), {"ids": [k[0] for k in keys]})
+        self._noted().append((datetime.now(UTC), [int(k[0]) for k in keys], current_snapshot(conn)))
+
+    def _noted(self) -> list[tuple[datetime, list[int], Snapshot]]:
+        if not hasattr(self._local, "noted"):
+            self._local.noted = []
+        noted: list[tuple[datetime, list[int], Snapshot]] = self._local.noted
+        return noted
 
     def enqueue(self, conn: Connection, exam: int) -> None:
         pgjobs.enqueue(conn, WORKER, [exam], schema=self.place.store_schema)
@@ -85,7 +100,20 @@ class PgJobsDesign(Design):
         self.scheduler.start()
 
     def _on_result(self, result: pgjobs.RunResult) -> None:
-        (self.worker if result.job == WORKER else self.recompute).add_result(result)
+        """Called in the tick's thread, once its transaction has ended."""
+        ended = time.monotonic()
+        if result.job != WORKER:
+            self.recompute.add_result(result)
+            return
+        self.worker.add_result(result)
+        noted = self._noted()
+        done, noted[:] = list(noted), []
+        if result.outcome is not pgjobs.Outcome.RAN:
+            return  # rolled back: nothing was processed
+        for at, keys, snapshot in done:
+            if at < result.started_at:
+                continue  # left by an earlier tick that raised instead of returning
+            self.lag.processed(keys, snapshot, ended)
 
     def stop_jobs(self) -> None:
         self.scheduler.shutdown(wait=True)
@@ -95,7 +123,7 @@ class PgJobsDesign(Design):
             result = self.runner.tick(self.worker_job, force=True)
             if result.outcome is pgjobs.Outcome.IDLE:
                 return
-            self.worker.add_result(result)
+            self._on_result(result)
             if result.outcome is pgjobs.Outcome.FAILED:
                 return
 

@@ -14,7 +14,7 @@ import textwrap
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pgjobs
 
@@ -66,6 +66,11 @@ class PhaseReport:
     #: derived rows differing from a from-scratch computation once the queue drained
     drift: int
     exams_left: int
+    #: seconds from an item's first unprocessed enqueue commit to the commit of
+    #: the worker transaction that processed it, one per processing (see lag.py)
+    queue_lags: list[float] = field(default_factory=list)
+    #: enqueues of exams still alive that no worker transaction processed
+    unprocessed: int = 0
 
     def count(self, sqlstate: str) -> int:
         """Transactions (jobs' and users') that failed with ``sqlstate``."""
@@ -84,6 +89,10 @@ class PhaseReport:
     def latency(self, q: float) -> float | None:
         """The ``q`` quantile (nearest rank) of the delete latencies, seconds."""
         return quantile(self.delete_latencies, q)
+
+    def queue_lag(self, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the queue lags, seconds."""
+        return quantile(self.queue_lags, q)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,6 +244,14 @@ class UserTally:
 
 # -- the summary -----------------------------------------------------------------
 
+LAG_LEGEND = (
+    "Queue lag: from an item's first enqueue commit not yet processed to the commit of the"
+    " worker transaction that processed it, both as the client saw them return; an enqueue"
+    " counts as processed by the first worker transaction whose snapshot saw it committed."
+    " Items whose exam was deleted before they were processed are not measured; those the"
+    " drain after the run processed are."
+)
+
 
 def fmt_s(seconds: float | None) -> str:
     if seconds is None:
@@ -278,6 +295,12 @@ def _rows(p: PhaseReport) -> list[tuple[str, str]]:
     rows = _job_rows("recompute", p.jobs["recompute"], worker=False)
     rows += _job_rows("queue worker", p.jobs["worker"], worker=True)
     rows += [
+        (
+            "queue lag p50 / p95 / max",
+            f"{fmt_s(p.queue_lag(0.5))} / {fmt_s(p.queue_lag(0.95))} / {fmt_s(p.queue_lag(1.0))}",
+        ),
+        ("queue lag: items measured", f"{len(p.queue_lags):,}"),
+        ("queue: enqueued, never processed", f"{p.unprocessed:,}"),
         ("users: deletes / merges / changes", f"{p.deletes:,} / {p.merges:,} / {p.changes:,}"),
         (
             "users: delete latency p50 / p99 / max",
@@ -345,7 +368,7 @@ def format_report(report: DemoReport) -> str:
         lines += [_scripted_line(s) for s in report.scripted]
         lines.append("")
     lines += _table(report.phases)
-    lines.append("")
+    lines += ["", textwrap.fill(LAG_LEGEND, width=100), ""]
     lines += [_verdict(p) for p in report.phases]
     return "\n".join(lines)
 

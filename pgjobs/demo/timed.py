@@ -3,7 +3,7 @@
 :func:`timed_run` starts the design's jobs and the simulated users, prints a
 progress line every ``progress_every`` seconds, stops everything, drains the
 queue and turns the tallies into a :class:`~pgjobs.demo.report.PhaseReport`
-(with the drift against a from-scratch computation).
+(with the drift against a from-scratch computation and the queue lag).
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def timed_run(design: Design, opts: DemoOptions, err: TextIO | None) -> PhaseRep
         ops = Counter(users.tally.ops)
         latencies = list(users.tally.latencies)
         user_errors = dict(users.tally.errors)
+    live = live_exams(design.engine)
+    lag = design.lag.figures(set(live))
     return PhaseReport(
         design=design.name,
         seconds=elapsed,
@@ -97,5 +99,7 @@ def timed_run(design: Design, opts: DemoOptions, err: TextIO | None) -> PhaseRep
         delete_latencies=latencies,
         user_errors=user_errors,
         drift=drift(design.engine),
-        exams_left=len(live_exams(design.engine)),
+        exams_left=len(live),
+        queue_lags=lag.lags,
+        unprocessed=lag.unprocessed,
     )

@@ -3,8 +3,9 @@
 :class:`Users` runs during a design's timed run: deleters (each deleting or
 merging an exam every ``user_pause`` seconds) and one changer (changing an
 exam's grading weight, and enqueuing it, every ``change_pause`` seconds).
-:class:`UserDelete` is the one delete a scripted interleaving plays, in a
-thread of its own.
+Every enqueue is recorded in the design's :class:`~pgjobs.demo.lag.LagTally`
+once its commit returns. :class:`UserDelete` is the one delete a scripted
+interleaving plays, in a thread of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 import pgjobs
 
 from .design import Design
+from .lag import current_xid
 from .report import UserTally
 from .scenario import DemoOptions, sqlstate
 
@@ -149,27 +151,31 @@ class Users:
             return
         started = time.perf_counter()
         try:
-            with self.design.engine.connect() as conn, conn.begin():
-                conn.execute(
-                    text("select id from exam where id = any(:ids) order by id for update"),
-                    {"ids": [a, b]},
-                )
-                conn.execute(
-                    text(
-                        "insert into submission (exam_id, student_id, points)"
-                        " select :b, student_id, points from submission where exam_id = :a"
-                        " on conflict (exam_id, student_id)"
-                        " do update set points = submission.points + excluded.points"
-                    ),
-                    {"a": a, "b": b},
-                )
-                conn.execute(text("delete from exam where id = :a"), {"a": a})
-                self.design.enqueue(conn, b)
+            with self.design.engine.connect() as conn:
+                with conn.begin():
+                    conn.execute(
+                        text("select id from exam where id = any(:ids) order by id for update"),
+                        {"ids": [a, b]},
+                    )
+                    conn.execute(
+                        text(
+                            "insert into submission (exam_id, student_id, points)"
+                            " select :b, student_id, points from submission where exam_id = :a"
+                            " on conflict (exam_id, student_id)"
+                            " do update set points = submission.points + excluded.points"
+                        ),
+                        {"a": a, "b": b},
+                    )
+                    conn.execute(text("delete from exam where id = :a"), {"a": a})
+                    self.design.enqueue(conn, b)
+                    xid = current_xid(conn)
+                committed = time.monotonic()
         except DBAPIError as exc:
             self.tally.failed(sqlstate(exc), time.perf_counter() - started)
             self.exams.give_back(a)
             self.exams.give_back(b)
             return
+        self.design.lag.enqueued(b, xid, committed)
         self.exams.give_back(b)
         self.tally.done("merge", time.perf_counter() - started)
 
@@ -184,12 +190,16 @@ class Users:
 
     def _change(self, exam: int) -> None:
         try:
-            with self.design.engine.connect() as conn, conn.begin():
-                conn.execute(
-                    text("update exam set weight = weight % 5 + 1 where id = :x"), {"x": exam}
-                )
-                self.design.enqueue(conn, exam)
+            with self.design.engine.connect() as conn:
+                with conn.begin():
+                    conn.execute(
+                        text("update exam set weight = weight % 5 + 1 where id = :x"), {"x": exam}
+                    )
+                    self.design.enqueue(conn, exam)
+                    xid = current_xid(conn)
+                committed = time.monotonic()
         except DBAPIError as exc:
             self.tally.failed(sqlstate(exc))
             return
+        self.design.lag.enqueued(exam, xid, committed)
         self.tally.done("change")
