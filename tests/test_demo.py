@@ -15,6 +15,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from pgjobs.demo import DEADLOCK, FK_VIOLATION, DemoOptions, format_report, main, run_demo
+from pgjobs.demo.lag import LagTally, Snapshot
+from pgjobs.demo.report import fmt_s
 
 SMALL = {"exams": 2000, "students": 5, "compute_seconds": 0.5, "recompute_every": 1.5}
 
@@ -95,6 +97,46 @@ def test_naive_and_pgjobs_side_by_side(db_url: str) -> None:
     assert _demo_schemas(db_url) == []
 
 
+def test_the_report_shows_each_designs_queue_lag(db_url: str) -> None:
+    opts = DemoOptions(
+        seconds=2,
+        naive=True,
+        progress_every=0,
+        exams=500,
+        students=5,
+        compute_seconds=0.2,
+        recompute_every=1.5,
+    )
+    report = run_demo(db_url, opts)
+
+    summary = format_report(report).splitlines()
+    lag_line = next(line for line in summary if line.startswith("queue lag p50 / p95 / max"))
+    shown = []
+    for design in ("naive", "pgjobs"):
+        phase = report.phase(design)
+        # Users changed and merged exams (each change enqueues one), and the
+        # worker processed some of them: each processing is one lag.
+        assert phase.changes > 0
+        assert phase.queue_lags, design
+        p50, p95, top = (phase.queue_lag(q) for q in (0.5, 0.95, 1.0))
+        assert p50 is not None and p95 is not None and top is not None
+        assert 0 < p50 <= p95 <= top, (design, p50, p95, top)
+        # Nobody waits longer than the run and its drain took.
+        assert top < phase.seconds + 30
+        shown.append(f"{fmt_s(p50)} / {fmt_s(p95)} / {fmt_s(top)}")
+    # One column per design, in the report's order.
+    assert lag_line.removeprefix("queue lag p50 / p95 / max").split() == " ".join(shown).split()
+    measured = next(line for line in summary if line.startswith("queue lag: items measured"))
+    assert measured.split()[-2:] == [
+        f"{len(report.phase(d).queue_lags):,}" for d in ("naive", "pgjobs")
+    ]
+    # pgjobs loses no enqueued change: each was processed by the end of the drain.
+    assert report.phase("pgjobs").unprocessed == 0
+    assert any(
+        line.startswith("Queue lag: from an item's first enqueue commit") for line in summary
+    )
+
+
 def test_main_prints_the_summary_and_cleans_up(
     db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -106,6 +148,26 @@ def test_main_prints_the_summary_and_cleans_up(
     assert "users: delete latency p50 / p99 / max" in out
     assert "pgjobs demo: building 500 exams" in err
     assert _demo_schemas(db_url) == []
+
+
+def test_queue_lag_counts_from_the_first_enqueue_a_processing_saw() -> None:
+    # Transactions 100..102 committed before the worker's snapshot; 103 was
+    # still open then (in progress), 105 began after it (>= xmax).
+    snapshot = Snapshot.parse("103:105:103")
+    assert [snapshot.sees(x) for x in (100, 102, 103, 104, 105)] == [True, True, False, True, False]
+    tally = LagTally()
+    tally.enqueued(7, 100, at=1.0)  # enqueued twice before it was processed
+    tally.enqueued(7, 102, at=2.0)
+    tally.enqueued(7, 105, at=3.5)  # committed after the worker's snapshot
+    tally.enqueued(8, 103, at=2.5)  # open at the snapshot, committed later
+    tally.enqueued(9, 101, at=1.5)  # its exam was deleted before processing
+    tally.processed([7, 8], snapshot, at=4.0)
+    tally.processed([7], Snapshot.parse("106:106:"), at=6.0)
+    figures = tally.figures(live={7, 8})
+    # 7: 4.0 - 1.0 from its first enqueue, then 6.0 - 3.5 for the later one.
+    assert sorted(figures.lags) == [2.5, 3.0]
+    # 8's enqueue was never seen by a worker; 9 is gone and not counted.
+    assert figures.unprocessed == 1
 
 
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
