@@ -18,7 +18,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from ._pg import execute
-from .diff import write_diff
+from .diff import DiffWriter
 from .errors import JobError
 from .jobs import RecomputeJob, RunContext
 from .results import Execution
@@ -58,8 +58,10 @@ def _drop_leftovers(conn: Connection) -> None:
 
 def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
     """The body of a :class:`~pgjobs.RecomputeJob`: compute and stage the new
-    rows holding no row lock, then :func:`~pgjobs.diff.write_diff`. Runs inside the job's
-    transaction with the group lock held."""
+    rows holding no row lock, then write the difference
+    (:class:`~pgjobs.diff.DiffWriter`), committing after each chunk when
+    the job writes in chunks. Runs inside the job's transaction with the
+    group lock held."""
     started = time.perf_counter()
     chunked = job.chunk_parents is not None
     if chunked and ctx.checkpoint is None:
@@ -81,14 +83,14 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
     staged = stage(conn, target, source, preserve=chunked)
     ctx.report("stage", staged.rows, staged.rows)
     compute_seconds = time.perf_counter() - started
-    result = write_diff(
-        conn,
-        target,
-        staged,
-        chunk_parents=job.chunk_parents,
-        checkpoint=ctx.checkpoint,
-        progress=ctx.progress,
-    )
+    with DiffWriter(
+        conn, target, staged, chunk_parents=job.chunk_parents, progress=ctx.progress
+    ) as writer:
+        for n, chunk in enumerate(writer.chunks):
+            if n and ctx.checkpoint is not None:
+                ctx.checkpoint()  # commit the chunks so far, go on in a new transaction
+            writer.write_chunk(chunk)
+        result = writer.finish()
     if chunked:
         execute(conn, sql.SQL("drop table if exists {}").format(staged.table))
     detail = {

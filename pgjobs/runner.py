@@ -1,22 +1,16 @@
 """The run protocol, the same for every job at every tick.
 
-1. **Due?**   read ``job_state``; backing off or run recently elsewhere: stop (no lock).
-2. **Work?**  the body's work check in a short read-only transaction; nothing:
-   ``idle`` (no lock). Where the check is one statement, steps 1 and 2 are
-   one round trip.
-3. **Lock.**  begin the job transaction, ``pg_try_advisory_xact_lock``; taken by
-   another transaction: ``busy``, roll back at once. Re-read the state under the
-   lock: a replica may have finished the job between steps 1 and 3.
-4. **Run.**   ``SET LOCAL lock_timeout`` / ``statement_timeout``; the job's body.
-5. **Commit** the writes together with the job's new state and its run record,
-   which releases the lock.
-6. **Record** any other outcome in ``pgjobs.run``; a failure also sets
-   ``next_attempt_at = now + backoff`` in ``pgjobs.job_state``.
+1. **Due?**  ``job_state`` says backing off, or run recently elsewhere: stop, no lock.
+2. **Work?** the body's work check, read-only; nothing: ``idle``, no lock.
+3. **Lock.** ``pg_try_advisory_xact_lock``, never waiting; taken: ``busy``.
+   The state is read again under the lock (a replica may have run the job).
+4. **Run.**  the job's ``SET LOCAL`` timeouts, then its body.
+5. **Commit** the writes with the job's new state and run record.
+6. **Record** any other outcome; a failure sets ``next_attempt_at = now + backoff``.
 
-The body of each job kind is looked up in :data:`BODIES` (``RecomputeJob``:
-:mod:`pgjobs.recompute`, ``QueueJob``: :mod:`pgjobs.worker`); any other
-:class:`~pgjobs.Job` is its own body. The reasons behind each step are in
-``docs/DESIGN.md``.
+The body of each kind is in :data:`BODIES` (:mod:`pgjobs.recompute`,
+:mod:`pgjobs.worker`); any other :class:`~pgjobs.Job` is its own body.
+Why each step is as it is: ``docs/DESIGN.md``, "The run protocol".
 """
 
 from __future__ import annotations

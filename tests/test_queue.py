@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, event, text
 
 import pgjobs
-import pgjobs.worker
+import pgjobs.worker.vacuum
 from pgjobs.queue import (
     drop_enqueue_trigger,
     enqueue,
@@ -1014,8 +1014,8 @@ def vacuum_count(engine):
 def test_the_worker_vacuums_the_queue_after_every_so_many_entries_it_took_off(db, monkeypatch):
     # Dead entries ahead of the live ones would make every has_work probe and
     # claim step over them until autovacuum comes (a minute, at best).
-    monkeypatch.setattr(pgjobs.worker, "VACUUM_EVERY", 25)
-    monkeypatch.setattr(pgjobs.worker, "_deleted", {})
+    monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 25)
+    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
     add_parents(db, range(1, 41))
     job = make_job(batch_size=10)
     push(db, job, range(1, 41))
@@ -1036,8 +1036,8 @@ def test_a_failing_vacuum_after_the_commit_leaves_the_run_and_the_connection_fin
     def broken(conn, *, schema):
         conn.exec_driver_sql("select no_such_function()")
 
-    monkeypatch.setattr(pgjobs.worker, "VACUUM_EVERY", 1)
-    monkeypatch.setattr(pgjobs.worker, "vacuum_queue", broken)
+    monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 1)
+    monkeypatch.setattr(pgjobs.worker.vacuum, "vacuum_queue", broken)
     add_parents(db, [1, 2])
     job = make_job()
     push(db, job, [1])

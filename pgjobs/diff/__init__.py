@@ -70,164 +70,206 @@ def write_diff(
     staged: Staged,
     *,
     scope: Scope | None = None,
-    chunk_parents: int | None = None,
-    checkpoint: Callable[[], None] | None = None,
     progress: Progress | None = None,
     wait_busy: bool = True,
 ) -> WriteResult:
     """Make ``target`` equal to ``staged`` (within ``scope``), writing only
-    the difference; see the module docstring for the order and why.
-
-    ``chunk_parents``: write in chunks of that many parents (in parent-key
-    order) and call ``checkpoint()`` — which must commit and begin a new
-    transaction — after each, so that no user waits on more than one chunk.
-    The trade-off is atomicity: each chunk commits on its own, readers see
-    the table partly rewritten, and a failure keeps the chunks already
-    committed (the next run writes the rest). ``staged`` must then survive
-    commits (``stage(..., preserve=True)``). Off by default.
+    the difference, in the caller's transaction; see the module docstring
+    for the order and why. (Writes in chunks, each committed on its own, go
+    through :class:`DiffWriter`.)
 
     ``progress(phase, done, total)`` is called with "diff", "lock" (before
-    each chunk's first row lock) and "write".
+    the first row lock) and "write".
 
     ``wait_busy=False``: never wait for a parent another transaction holds,
     not even with nothing held; defer its rows at once (for callers that
     hold locks of their own, such as a queue worker's claimed entries).
     """
-    started = time.perf_counter()
-
-    def report(phase: str, done: int | None = None, total: int | None = None) -> None:
-        if progress is not None:
-            progress(phase, done, total)
-
-    if chunk_parents is not None:
-        if (
-            not isinstance(chunk_parents, int)
-            or isinstance(chunk_parents, bool)
-            or chunk_parents < 1
-        ):
-            raise ConfigError(f"chunk_parents: expected a positive integer, got {chunk_parents!r}")
-        if checkpoint is None:
-            raise ConfigError("chunk_parents: chunked writes need a checkpoint (commit and begin)")
-        if not staged.preserve:
-            raise ConfigError("chunk_parents: stage the rows with preserve=True to write in chunks")
-        if target.self_reference is not None:
-            raise ConfigError(
-                f"target {target.label}: chunked writes are not supported on a table that "
-                f"references itself (a chunk could point at rows of a later one)"
-            )
-        if scope is not None:
-            raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
-
-    plan = Plan(target, staged, scope, preserve=chunk_parents is not None)
-    try:
-        result = _write(conn, plan, chunk_parents, checkpoint, report, wait_busy, started)
-    except BaseException:
-        # what was deferred (planner settings given back, a savepoint
-        # released) still runs if the transaction can run it
-        with suppress(psycopg.Error):
-            flush(conn)
-        raise
-    flush(conn)
-    return result
+    writer = DiffWriter(conn, target, staged, scope=scope, progress=progress, wait_busy=wait_busy)
+    with writer:
+        for chunk in writer.chunks:
+            writer.write_chunk(chunk)
+        return writer.finish()
 
 
-def _write(
-    conn: Connection,
-    plan: Plan,
-    chunk_parents: int | None,
-    checkpoint: Callable[[], None] | None,
-    report: Progress,
-    wait_busy: bool,
-    started: float,
-) -> WriteResult:
-    target, staged = plan.target, plan.staged
-    report("diff", None, None)
-    counts, target_rows = build_difference(conn, plan, chunk_parents)
-    create_parent_tables(conn, plan)
-    per_chunk: dict[int | None, dict[str, int]] = {}
-    if chunk_parents:
-        for chunk_no, op_code, n in run(
-            conn,
-            sql.SQL("select chunk, op, count(*) from {} group by chunk, op").format(
-                plan.difference
-            ),
-        ).all():
-            per_chunk.setdefault(int(chunk_no), {"i": 0, "u": 0, "d": 0})[str(op_code)] = int(n)
-        # parent-ordered chunks first, then the rows without a chunk parent
-        chunks: list[int | None] = sorted(
-            per_chunk, key=lambda c: (c is None or c < 0, abs(c or 0))
-        )
-    else:
-        per_chunk[None] = counts
-        chunks = [None]
-    diff_seconds = time.perf_counter() - started
+@dataclass(kw_only=True)
+class _Totals:
+    """What the chunks written so far did."""
 
-    inserted = updated = deleted = skipped = deferred = deferred_deletes = 0
-    lock_seconds = max_chunk = 0.0
-    busy = dead = waits = 0
-    for n, chunk in enumerate(chunks):
-        report("lock", n, len(chunks))
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    skipped: int = 0
+    deferred: int = 0
+    deferred_deletes: int = 0
+    busy: int = 0
+    dead: int = 0
+    waits: int = 0
+    lock_seconds: float = 0.0
+    max_chunk: float = 0.0
+
+
+class DiffWriter:
+    """One diff, step by step: the difference on construction (step 1, no
+    row lock), then :meth:`write_chunk` for each of :attr:`chunks` (steps 2
+    and 3), then :meth:`finish`. Use it as a context manager: what was
+    queued for the next round trip (planner settings given back, a savepoint
+    released) is still sent when a step fails, if the transaction can run it.
+
+    ``chunk_parents``: chunks of that many parents, in parent-key order, so
+    that a caller who commits after each (the recompute body,
+    :mod:`pgjobs.recompute`) makes no user wait on more than one chunk. The
+    trade-off is atomicity: readers see the table partly rewritten, and a
+    failure keeps the chunks already committed (the next run writes the
+    rest). ``staged`` must then survive commits (``stage(..., preserve=True)``).
+    Without it, :attr:`chunks` is one pass over the whole difference.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        target: Target,
+        staged: Staged,
+        *,
+        scope: Scope | None = None,
+        chunk_parents: int | None = None,
+        progress: Progress | None = None,
+        wait_busy: bool = True,
+    ) -> None:
+        _check_chunking(target, staged, scope, chunk_parents)
+        self.started = time.perf_counter()
+        self.conn = conn
+        self.progress = progress
+        self.wait_busy = wait_busy
+        self.plan = Plan(target, staged, scope, preserve=chunk_parents is not None)
+        self.totals = _Totals()
+        self._report("diff")
+        self.counts, self.target_rows = build_difference(conn, self.plan, chunk_parents)
+        create_parent_tables(conn, self.plan)
+        #: rows of the difference by op ("i", "u", "d"), per chunk
+        self.per_chunk: dict[int | None, dict[str, int]] = {None: self.counts}
+        #: the chunks to write, in order (``[None]``: the whole difference at once)
+        self.chunks: list[int | None] = [None]
+        if chunk_parents:
+            self.per_chunk = _chunk_counts(conn, self.plan)
+            # parent-ordered chunks first, then the rows without a chunk parent
+            self.chunks = sorted(self.per_chunk, key=lambda c: (c is None or c < 0, abs(c or 0)))
+        self.diff_seconds = time.perf_counter() - self.started
+        self.written = 0
+
+    def __enter__(self) -> DiffWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            with suppress(psycopg.Error):
+                flush(self.conn)
+
+    def _report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+    def write_chunk(self, chunk: int | None) -> None:
+        """Steps 2 and 3 for ``chunk`` (one of :attr:`chunks`), in the
+        caller's transaction. What it leaves queued (settings given back)
+        goes out with the next round trip: a commit carries it."""
+        conn, plan, totals = self.conn, self.plan, self.totals
+        planned = self.per_chunk[chunk]
+        self._report("lock", self.written, len(self.chunks))
         # A pass touching a small part of the target is written through its
         # key index (nested loops), not by scanning the whole table: the
         # planner prices cached index probes too high, and in the lock window
         # a full scan of a 500k-row target per chunk costs ten times more.
-        keyed = planning.keyed_pass(sum(per_chunk[chunk].values()), target_rows)
-        locked = lock_parents(conn, plan, chunk, wait_busy, keyed)
+        keyed = planning.keyed_pass(sum(planned.values()), self.target_rows)
+        locked = lock_parents(conn, plan, chunk, self.wait_busy, keyed)
         with keyed_plans(conn, keyed), index_bad(conn, plan, locked.bad):
-            written = write_rows(conn, plan, chunk, locked, per_chunk[chunk])
+            written = write_rows(conn, plan, chunk, locked, planned)
         # Row locks are held from the kept locking pass on (a wait for a busy
         # parent before it held none) to the end of the writes.
         held = time.perf_counter() - locked.since
-        lock_seconds += held
-        max_chunk = max(max_chunk, held)
-        inserted += written.inserted
-        updated += written.updated
-        deleted += written.deleted
-        skipped += written.skipped
-        deferred += written.deferred
-        deferred_deletes += written.deferred_deletes
-        busy += locked.busy
-        dead += locked.dead
-        waits += locked.waits
-        report("write", n + 1, len(chunks))
-        if chunk_parents and n + 1 < len(chunks):
-            assert checkpoint is not None
-            flush(conn)
-            checkpoint()
+        totals.lock_seconds += held
+        totals.max_chunk = max(totals.max_chunk, held)
+        totals.inserted += written.inserted
+        totals.updated += written.updated
+        totals.deleted += written.deleted
+        totals.skipped += written.skipped
+        totals.deferred += written.deferred
+        totals.deferred_deletes += written.deferred_deletes
+        totals.busy += locked.busy
+        totals.dead += locked.dead
+        totals.waits += locked.waits
+        self.written += 1
+        self._report("write", self.written, len(self.chunks))
 
-    if plan.temps:
-        later(conn, sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(plan.temps)))
-    flush(conn)
-    unchanged = staged.rows - inserted - updated - skipped - deferred
-    stats = DiffStats(
-        inserted=inserted,
-        updated=updated,
-        deleted=deleted,
-        skipped_missing_parent=skipped,
-        unchanged=unchanged,
-    )
-    if deferred or deferred_deletes:
-        log.info(
-            "pgjobs: %s: %d row(s) deferred to the next run (%d parent(s) busy)",
-            target.label,
-            deferred + deferred_deletes,
-            busy,
+    def finish(self) -> WriteResult:
+        """Drop the writer's own temp tables and say what the diff did."""
+        plan, totals = self.plan, self.totals
+        if plan.temps:
+            later(
+                self.conn,
+                sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(plan.temps)),
+            )
+        flush(self.conn)
+        unchanged = (
+            plan.staged.rows - totals.inserted - totals.updated - totals.skipped - totals.deferred
         )
-    return WriteResult(
-        stats=stats,
-        write_seconds=time.perf_counter() - started,
-        lock_seconds=lock_seconds,
-        diff_seconds=diff_seconds,
-        max_chunk_lock_seconds=max_chunk,
-        chunks=len(chunks),
-        deferred=deferred + deferred_deletes,
-        detail={
-            "planned": {"insert": counts["i"], "update": counts["u"], "delete": counts["d"]},
-            "parents_gone": dead,
-            "parents_busy": busy,
-            "busy_waits": waits,
-        },
-    )
+        deferred = totals.deferred + totals.deferred_deletes
+        if deferred:
+            log.info(
+                "pgjobs: %s: %d row(s) deferred to the next run (%d parent(s) busy)",
+                plan.target.label,
+                deferred,
+                totals.busy,
+            )
+        counts = self.counts
+        return WriteResult(
+            stats=DiffStats(
+                inserted=totals.inserted,
+                updated=totals.updated,
+                deleted=totals.deleted,
+                skipped_missing_parent=totals.skipped,
+                unchanged=unchanged,
+            ),
+            write_seconds=time.perf_counter() - self.started,
+            lock_seconds=totals.lock_seconds,
+            diff_seconds=self.diff_seconds,
+            max_chunk_lock_seconds=totals.max_chunk,
+            chunks=len(self.chunks),
+            deferred=deferred,
+            detail={
+                "planned": {"insert": counts["i"], "update": counts["u"], "delete": counts["d"]},
+                "parents_gone": totals.dead,
+                "parents_busy": totals.busy,
+                "busy_waits": totals.waits,
+            },
+        )
 
 
-__all__ = ["Scope", "WriteResult", "write_diff"]
+def _check_chunking(
+    target: Target, staged: Staged, scope: Scope | None, chunk_parents: int | None
+) -> None:
+    if chunk_parents is None:
+        return
+    if not isinstance(chunk_parents, int) or isinstance(chunk_parents, bool) or chunk_parents < 1:
+        raise ConfigError(f"chunk_parents: expected a positive integer, got {chunk_parents!r}")
+    if not staged.preserve:
+        raise ConfigError("chunk_parents: stage the rows with preserve=True to write in chunks")
+    if target.self_reference is not None:
+        raise ConfigError(
+            f"target {target.label}: chunked writes are not supported on a table that "
+            f"references itself (a chunk could point at rows of a later one)"
+        )
+    if scope is not None:
+        raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
+
+
+def _chunk_counts(conn: Connection, plan: Plan) -> dict[int | None, dict[str, int]]:
+    """Rows of the difference by op, per chunk."""
+    per_chunk: dict[int | None, dict[str, int]] = {}
+    query = sql.SQL("select chunk, op, count(*) from {} group by chunk, op").format(plan.difference)
+    for chunk_no, op_code, n in run(conn, query).all():
+        per_chunk.setdefault(int(chunk_no), {"i": 0, "u": 0, "d": 0})[str(op_code)] = int(n)
+    return per_chunk
+
+
+__all__ = ["DiffWriter", "Scope", "WriteResult", "write_diff"]

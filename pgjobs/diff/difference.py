@@ -40,42 +40,73 @@ def build_difference(
 ) -> tuple[dict[str, int], float]:
     """Fill the difference table (and, for session tables, create the
     parent sets); returns its rows by op and the target's estimated size."""
-    target = t = plan.target
-    s = plan.staged
-    key = plan.key
-    target_cols = list(dict.fromkeys([*key, *plan.values, *plan.old]))
-    target_side: sql.Composable
-    outside: sql.Composable = sql.SQL("0")
-    if plan.scope is None:
-        target_side = sql.SQL("(select {} from {}) as t").format(idents(target_cols), t.ident)
-    else:
-        sc = plan.scope.columns
-        rows = plan.scope.rows
-        if rows is not None and rows < ANALYZE_ROWS and t.indexed(sc):
-            # A few keys: one index probe each (OFFSET 0 keeps the subquery
-            # a parameterized scan), never a scan of the whole target, which
-            # the estimate of an unanalyzed keys table can lead to.
-            target_side = sql.SQL(
-                "(select x.* from {keys} as k cross join lateral"
-                " (select {cols} from {t} as y where {on} offset 0) as x) as t"
-            ).format(
-                keys=plan.scope.keys,
-                cols=idents(target_cols, "y"),
-                t=t.ident,
-                on=equal("y", sc, "k", sc),
-            )
-        else:
-            target_side = sql.SQL(
-                "(select {} from {} where ({}) in (select {} from {})) as t"
-            ).format(idents(target_cols), t.ident, idents(sc), idents(sc), plan.scope.keys)
-        outside = sql.SQL(
-            "(select count(*) from {} as s where not exists (select from {} as k where {}))"
-        ).format(s.table, plan.scope.keys, equal("s", sc, "k", sc))
+    target_side, outside = _target_side(plan)
+    body: sql.Composable = _difference_sql(plan, target_side)
+    # Statistics for what later plans filter and join on: op, key, parent
+    # columns (new and old), chunk; not the values.
+    analyzed = ["op", *plan.difference_key]
+    analyzed += [plan.new[c] for p in plan.target.parents for c in p.columns]
+    analyzed += list(plan.old.values())
+    if plan.session:
+        return _session_difference(conn, plan, body, outside, analyzed)
+    if chunk_parents:
+        body = _with_chunks(plan, body, chunk_parents)
+        analyzed.append("chunk")
+    create_temp(conn, plan, plan.difference, body)
+    if chunk_parents:
+        run(conn, sql.SQL("create index on {} (chunk)").format(plan.difference))
+    if plan.self_ref is not None:
+        run(
+            conn,
+            sql.SQL("create index on {} ({})").format(plan.difference, idents(plan.difference_key)),
+        )
+    analyze_later(conn, plan.difference, list(dict.fromkeys(analyzed)))
+    row = run(conn, _counts_sql(plan, outside)).one()
+    assert row is not None
+    return _counted(plan, row)
 
-    first_key = key[0]
+
+def _target_side(plan: Plan) -> tuple[sql.Composable, sql.Composable]:
+    """The target's rows the difference compares with (all, or the scope's),
+    aliased ``t``; and the count of staged rows outside the scope."""
+    t = plan.target
+    target_cols = list(dict.fromkeys([*plan.key, *plan.values, *plan.old]))
+    if plan.scope is None:
+        whole = sql.SQL("(select {} from {}) as t").format(idents(target_cols), t.ident)
+        return whole, sql.SQL("0")
+    scope = plan.scope.columns
+    rows = plan.scope.rows
+    target_side: sql.Composable
+    if rows is not None and rows < ANALYZE_ROWS and t.indexed(scope):
+        # A few keys: one index probe each (OFFSET 0 keeps the subquery
+        # a parameterized scan), never a scan of the whole target, which
+        # the estimate of an unanalyzed keys table can lead to.
+        target_side = sql.SQL(
+            "(select x.* from {keys} as k cross join lateral"
+            " (select {cols} from {t} as y where {on} offset 0) as x) as t"
+        ).format(
+            keys=plan.scope.keys,
+            cols=idents(target_cols, "y"),
+            t=t.ident,
+            on=equal("y", scope, "k", scope),
+        )
+    else:
+        target_side = sql.SQL("(select {} from {} where ({}) in (select {} from {})) as t").format(
+            idents(target_cols), t.ident, idents(scope), idents(scope), plan.scope.keys
+        )
+    outside = sql.SQL(
+        "(select count(*) from {} as s where not exists (select from {} as k where {}))"
+    ).format(plan.staged.table, plan.scope.keys, equal("s", scope, "k", scope))
+    return target_side, outside
+
+
+def _difference_sql(plan: Plan, target_side: sql.Composable) -> sql.Composed:
+    """The difference: a keyed full join of the staged rows (``s``) with the
+    target's (``t``), one row per key that is inserted, updated or deleted."""
+    key = plan.key
     op = sql.SQL("case when {t_k} is null then 'i' when {s_k} is null then 'd' {upd} end").format(
-        t_k=sql.Identifier("t", first_key),
-        s_k=sql.Identifier("s", first_key),
+        t_k=sql.Identifier("t", key[0]),
+        s_k=sql.Identifier("s", key[0]),
         upd=sql.SQL("when {} then 'u'").format(plan.distinct("t", plan.values, "s", plan.values))
         if plan.values
         else sql.SQL(""),
@@ -93,78 +124,61 @@ def build_difference(
         else:
             expr = sql.Identifier("s", name)
         selected.append(sql.SQL("{} as {}").format(expr, sql.Identifier(plan.new[name])))
-    for name, fname in plan.old.items():
+    for name, old_name in plan.old.items():
         selected.append(
-            sql.SQL("{} as {}").format(sql.Identifier("t", name), sql.Identifier(fname))
+            sql.SQL("{} as {}").format(sql.Identifier("t", name), sql.Identifier(old_name))
         )
-
-    body: sql.Composable = sql.SQL(
+    return sql.SQL(
         "select * from (select {sel} from {stage} as s full join {target_side} on {on}) as x "
         "where op is not null"
     ).format(
         sel=sql.SQL(", ").join(selected),
-        stage=s.table,
+        stage=plan.staged.table,
         target_side=target_side,
         on=equal("s", key, "t", key),
     )
-    # Statistics for what later plans filter and join on: op, key, parent
-    # columns (new and old), chunk; not the values.
-    analyzed = ["op", *plan.difference_key]
-    analyzed += [plan.new[c] for p in target.parents for c in p.columns]
-    analyzed += list(plan.old.values())
-    if plan.session:
-        # One round trip: the session tables (created if missing), emptied,
-        # and the difference.
-        statements: list[sql.Composable] = [
-            create_sql(plan, plan.difference, sql.SQL("{} with no data").format(body))
-        ]
-        if plan.self_ref is not None:
-            # resolving self-references looks rows of the difference up by key
-            statements.append(
-                sql.SQL("create index if not exists {} on {} ({})").format(
-                    index_name(plan.difference), plan.difference, idents(plan.difference_key)
-                )
+
+
+def _session_difference(
+    conn: Connection,
+    plan: Plan,
+    body: sql.Composable,
+    outside: sql.Composable,
+    analyzed: list[str],
+) -> tuple[dict[str, int], float]:
+    """The difference into session tables, in one round trip: the tables
+    (created if missing), emptied, the difference, its counts and the parent
+    keys each parent table must keep alive."""
+    statements: list[sql.Composable] = [
+        create_sql(plan, plan.difference, sql.SQL("{} with no data").format(body))
+    ]
+    if plan.self_ref is not None:
+        # resolving self-references looks rows of the difference up by key
+        statements.append(
+            sql.SQL("create index if not exists {} on {} ({})").format(
+                index_name(plan.difference), plan.difference, idents(plan.difference_key)
             )
-        statements += parent_tables_sql(plan)
-        statements += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
-        statements.append(sql.SQL("insert into {} {}").format(plan.difference, body))
-        # ... and what needs nothing but the difference: its counts, the
-        # parent keys each parent table must keep alive
-        statements.append(_counts_sql(plan, outside))
-        statements += [need_sql(plan, i, None) for i in range(len(plan.parents))]
-        # JIT only around this statement: see JIT_OFF
-        results = run_all(conn, [*JIT_OFF, *statements, JIT_BACK])[len(JIT_OFF) : -1]
-        first = len(statements) - len(plan.parents) - 2
-        rows = results[first].rowcount
-        counted = results[first + 1].rows
-        plan.needs = [r.rowcount for r in results[first + 2 :]]
-        # A small difference is planned from its size (and its passes use
-        # keyed plans): ANALYZE costs more than it saves there.
-        plan.analyzed = rows >= ANALYZE_ROWS
-        if plan.analyzed:
-            analyze_later(conn, plan.difference, list(dict.fromkeys(analyzed)))
-            for ident in plan.need:
-                analyze_later(conn, ident)
-        assert counted is not None
-        return _counted(plan, counted[0])
-    else:
-        if chunk_parents:
-            body = _with_chunks(plan, body, chunk_parents)
-            analyzed.append("chunk")
-        create_temp(conn, plan, plan.difference, body)
-        if chunk_parents:
-            run(conn, sql.SQL("create index on {} (chunk)").format(plan.difference))
-        if plan.self_ref is not None:
-            run(
-                conn,
-                sql.SQL("create index on {} ({})").format(
-                    plan.difference, idents(plan.difference_key)
-                ),
-            )
-    analyze_later(conn, plan.difference, list(dict.fromkeys(analyzed)))
-    row = run(conn, _counts_sql(plan, outside)).one()
-    assert row is not None
-    return _counted(plan, row)
+        )
+    statements += parent_tables_sql(plan)
+    statements += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
+    statements.append(sql.SQL("insert into {} {}").format(plan.difference, body))
+    statements.append(_counts_sql(plan, outside))
+    statements += [need_sql(plan, i, None) for i in range(len(plan.parents))]
+    # JIT only around this statement: see JIT_OFF
+    results = run_all(conn, [*JIT_OFF, *statements, JIT_BACK])[len(JIT_OFF) : -1]
+    first = len(statements) - len(plan.parents) - 2
+    rows = results[first].rowcount
+    counted = results[first + 1].rows
+    plan.needs = [r.rowcount for r in results[first + 2 :]]
+    # A small difference is planned from its size (and its passes use
+    # keyed plans): ANALYZE costs more than it saves there.
+    plan.analyzed = rows >= ANALYZE_ROWS
+    if plan.analyzed:
+        analyze_later(conn, plan.difference, list(dict.fromkeys(analyzed)))
+        for ident in plan.need:
+            analyze_later(conn, ident)
+    assert counted is not None
+    return _counted(plan, counted[0])
 
 
 def _counts_sql(plan: Plan, outside: sql.Composable) -> sql.Composed:
@@ -204,13 +218,13 @@ def _with_chunks(plan: Plan, body: sql.Composable, chunk_parents: int) -> sql.Co
     # (deletes). Rows with no such parent are chunked N at a time by key,
     # with negative numbers, after the others. (This CTE is only the body of
     # CREATE TABLE AS; the table is analyzed before anything plans on it.)
-    key_cols = plan.difference_key
+    key_in_difference = plan.difference_key
     n = sql.Literal(chunk_parents)
     parent = _chunk_parent(plan)
     if parent is None:
         return sql.SQL(
             "select x.*, (row_number() over (order by {k}) - 1) / {n} as chunk from ({body}) as x"
-        ).format(k=idents(key_cols, "x"), n=n, body=body)
+        ).format(k=idents(key_in_difference, "x"), n=n, body=body)
     p = [f"p{j}" for j in range(len(parent.columns))]
     pexprs = sql.SQL(", ").join(
         sql.SQL("case when x.op = 'd' then {} else {} end as {}").format(
@@ -237,6 +251,6 @@ def _with_chunks(plan: Plan, body: sql.Composable, chunk_parents: int) -> sql.Co
         p_nn=not_null(None, p),
         d_cols=d_cols,
         on=equal("y", p, "m", p),
-        yk=idents(key_cols, "y"),
+        yk=idents(key_in_difference, "y"),
         yp_nn=not_null("y", p),
     )

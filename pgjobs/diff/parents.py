@@ -129,14 +129,14 @@ def parent_tables_sql(plan: Plan) -> list[sql.Composable]:
                 ),
             )
         )
-    key_cols = plan.difference_key
+    key_in_difference = plan.difference_key
     out.append(
         create_sql(
             plan,
             plan.bad,
             # op: the row's op in the difference; NULL for an unchanged staged row
             sql.SQL("select {}, false as defer, op from {} with no data").format(
-                idents(key_cols), plan.difference
+                idents(key_in_difference), plan.difference
             ),
         )
     )
@@ -145,7 +145,7 @@ def parent_tables_sql(plan: Plan) -> list[sql.Composable]:
     # _index_bad): PostgreSQL rebuilds the indexes of a session's ON COMMIT
     # DELETE ROWS tables at every commit that used a temp table.
     if not plan.session:
-        out.append(sql.SQL("create index on {} ({})").format(plan.bad, idents(key_cols)))
+        out.append(sql.SQL("create index on {} ({})").format(plan.bad, idents(key_in_difference)))
     return out
 
 
@@ -391,7 +391,7 @@ def _count_bad(conn: Connection, plan: Plan, chunk: int | None, result: Locked) 
 
 
 def _mark_bad(conn: Connection, plan: Plan, chunk: int | None) -> None:
-    key_cols = plan.difference_key
+    key_in_difference = plan.difference_key
     parts: list[sql.Composable] = []
     for i, p in enumerate(plan.parents):
         n = [f"n{j}" for j in range(len(p.columns))]
@@ -404,7 +404,7 @@ def _mark_bad(conn: Connection, plan: Plan, chunk: int | None) -> None:
                 "select {dk}, g.busy, d.op from {d} as d join {gone} as g on {on} "
                 "where d.op <> 'd' and {w}"
             ).format(
-                dk=idents(key_cols, "d"),
+                dk=idents(key_in_difference, "d"),
                 d=plan.difference,
                 gone=plan.gone[i],
                 on=equal("d", new, "g", n),
@@ -416,7 +416,7 @@ def _mark_bad(conn: Connection, plan: Plan, chunk: int | None) -> None:
                 "select {dk}, true, d.op from {d} as d join {gone} as g on {on} "
                 "where d.op <> 'i' and g.busy and {w}"
             ).format(
-                dk=idents(key_cols, "d"),
+                dk=idents(key_in_difference, "d"),
                 d=plan.difference,
                 gone=plan.gone[i],
                 on=equal("d", old, "g", n),
@@ -429,7 +429,7 @@ def _mark_bad(conn: Connection, plan: Plan, chunk: int | None) -> None:
         sql.SQL(
             "insert into {bad} select {k}, bool_or(defer), min(op) from ({u}) as bad ({k}, defer, op) "
             "group by {k}"
-        ).format(bad=plan.bad, k=idents(key_cols), u=sql.SQL(" union all ").join(parts)),
+        ).format(bad=plan.bad, k=idents(key_in_difference), u=sql.SQL(" union all ").join(parts)),
     )
     if plan.analyzed:
         analyze_later(conn, plan.bad)
@@ -447,17 +447,25 @@ def _resolve_self_reference(conn: Connection, plan: Plan) -> None:
     """
     ref = plan.self_ref
     assert ref is not None
-    t = plan.target
-    s = plan.staged.table
-    key_cols = plan.difference_key
-    key = plan.key
     # the self-reference columns, ordered like the key they point at
-    fk = [ref.columns[ref.parent_columns.index(k)] for k in key]
+    fk = [ref.columns[ref.parent_columns.index(k)] for k in plan.key]
     loop_free = sql.SQL("row({}) is distinct from row({})").format(
-        idents(fk, "s"), idents(key, "s")
+        idents(fk, "s"), idents(plan.key, "s")
     )
-    # Existing self-parents outside the staged rows (scoped diffs): lock them,
-    # never waiting; one that is busy defers its children.
+    locked = _lock_outside_self_parents(conn, plan, fk, loop_free)
+    statement = _orphans_sql(plan, fk, loop_free, locked)
+    while run(conn, statement).rowcount:
+        pass
+    analyze_now(conn, plan.bad)
+
+
+def _lock_outside_self_parents(
+    conn: Connection, plan: Plan, fk: list[str], loop_free: sql.Composable
+) -> sql.Identifier:
+    """Existing self-parents outside the staged rows (scoped diffs), locked
+    ``FOR KEY SHARE SKIP LOCKED`` into a temp table, which is returned; one
+    that is busy defers its children."""
+    key, staged = plan.key, plan.staged.table
     outside = sql.Identifier(temp_name("selfparents"))
     create_temp(
         conn,
@@ -467,7 +475,11 @@ def _resolve_self_reference(conn: Connection, plan: Plan) -> None:
             "select distinct {fk} from {s} as s where {nn} and {lf} "
             "and not exists (select from {s} as o where {on})"
         ).format(
-            fk=idents(fk, "s"), s=s, nn=not_null("s", fk), lf=loop_free, on=equal("o", key, "s", fk)
+            fk=idents(fk, "s"),
+            s=staged,
+            nn=not_null("s", fk),
+            lf=loop_free,
+            on=equal("o", key, "s", fk),
         ),
     )
     locked = sql.Identifier(temp_name("selflocked"))
@@ -478,48 +490,63 @@ def _resolve_self_reference(conn: Connection, plan: Plan) -> None:
         sql.SQL(
             "select {k} from {t} as t where ({k}) in (select * from {o}) order by {k} "
             "for key share of t skip locked"
-        ).format(k=idents(key, "t"), t=t.ident, o=outside),
+        ).format(k=idents(key, "t"), t=plan.target.ident, o=outside),
     )
+    return locked
+
+
+def _orphans_sql(
+    plan: Plan, fk: list[str], loop_free: sql.Composable, locked: sql.Identifier
+) -> sql.Composed:
+    """Put into ``bad`` the staged rows (``s``) whose self-parent will not be
+    there: skipped, or deferred when that parent is busy."""
+    key, staged, target = plan.key, plan.staged.table, plan.target
+    key_in_difference = plan.difference_key
     existing = sql.SQL("exists (select from {t} as x where {on})").format(
-        t=t.ident, on=equal("x", key, "s", fk)
+        t=target.ident, on=equal("x", key, "s", fk)
     )
     # Rows to be deleted by this diff are not alive as parents.
     deleted = sql.SQL("exists (select from {d} as dd where dd.op = 'd' and {on})").format(
-        d=plan.difference, on=equal("dd", key_cols, "s", fk)
+        d=plan.difference, on=equal("dd", key_in_difference, "s", fk)
     )
     in_stage_ok = sql.SQL(
         "exists (select from {s} as p where {on} "
         "and not exists (select from {bad} as bad where {bon}))"
-    ).format(s=s, on=equal("p", key, "s", fk), bad=plan.bad, bon=equal("bad", key_cols, "p", key))
+    ).format(
+        s=staged,
+        on=equal("p", key, "s", fk),
+        bad=plan.bad,
+        bon=equal("bad", key_in_difference, "p", key),
+    )
     locked_ok = sql.SQL("exists (select from {l} as l where {on})").format(
         l=locked, on=equal("l", key, "s", fk)
     )
     parent_defer = sql.SQL(
         "coalesce((select bad.defer from {bad} as bad where {on}), {existing} and not {locked_ok})"
     ).format(
-        bad=plan.bad, on=equal("bad", key_cols, "s", fk), existing=existing, locked_ok=locked_ok
+        bad=plan.bad,
+        on=equal("bad", key_in_difference, "s", fk),
+        existing=existing,
+        locked_ok=locked_ok,
     )
-    statement = sql.SQL(
-        "insert into {bad} ({key_cols}, defer, op) "
+    return sql.SQL(
+        "insert into {bad} ({key}, defer, op) "
         "select {sk}, {parent_defer}, "
         "(select dd.op from {d} as dd where {dd_on}) from {s} as s "
         "where {nn} and {lf} and not exists (select from {bad} as bad where {bon}) "
         "and not ({in_stage_ok} or ({locked_ok} and not {deleted}))"
     ).format(
         bad=plan.bad,
-        key_cols=idents(key_cols),
+        key=idents(key_in_difference),
         sk=idents(key, "s"),
         parent_defer=parent_defer,
-        s=s,
+        s=staged,
         nn=not_null("s", fk),
         lf=loop_free,
-        bon=equal("bad", key_cols, "s", key),
+        bon=equal("bad", key_in_difference, "s", key),
         d=plan.difference,
-        dd_on=equal("dd", key_cols, "s", key),
+        dd_on=equal("dd", key_in_difference, "s", key),
         in_stage_ok=in_stage_ok,
         locked_ok=locked_ok,
         deleted=deleted,
     )
-    while run(conn, statement).rowcount:
-        pass
-    analyze_now(conn, plan.bad)

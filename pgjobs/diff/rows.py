@@ -43,87 +43,23 @@ def write_rows(
         deferred=locked.deferred,
         deferred_deletes=locked.deferred_deletes,
     )
-    t = plan.target
-    key_cols = plan.difference_key
-    key = plan.key
-    has_bad = locked.bad > 0
-    where = chunk_filter("d", chunk)
-    not_bad: sql.Composable = (
-        sql.SQL("not exists (select from {} as bad where {})").format(
-            plan.bad, equal("bad", key_cols, "d", key_cols)
-        )
-        if has_bad
-        else sql.SQL("true")
-    )
-    columns = idents(plan.columns)
-    d_columns = idents([plan.new[c] for c in plan.columns], "d")
-
-    def delete() -> sql.Composable | None:
-        if not planned["d"] and not has_bad:
-            return None
-        victims: sql.Composable = sql.SQL(
-            "select {} from {} as d where d.op = 'd' and {} and {}"
-        ).format(idents(key_cols, "d"), plan.difference, where, not_bad)
-        if has_bad:
-            # skipped rows that exist (an update to a dead parent; with a
-            # self-reference, also unchanged rows whose self-parent is skipped)
-            victims = sql.SQL("{} union all select {} from {} where not defer").format(
-                victims, idents(key_cols), plan.bad
-            )
-        # The two victim sets are disjoint (bad 'd' rows are only ever
-        # deferred), so a join: the victims drive, the key index finds rows.
-        vk = [f"k{j}" for j in range(len(key))]
-        return sql.SQL("delete from {t} as t using ({v}) as v ({vk}) where {on}").format(
-            t=t.ident, v=victims, vk=idents(vk), on=equal("t", key, "v", vk)
-        )
-
+    writes = _Writes(plan, chunk, has_bad=locked.bad > 0)
     # rows of the difference the update should find
     expected_updates = planned["u"] - locked.bad_updates
-
-    def update() -> sql.Composable | None:
-        if not plan.values or not expected_updates:
-            return None
-        sets = sql.SQL(", ").join(
-            sql.SQL("{} = {}").format(sql.Identifier(v), sql.Identifier("d", plan.new[v]))
-            for v in plan.values
-        )
-        vc = [plan.new[v] for v in plan.values]
-        # Compared again at write time: a row that already holds the new values
-        # is not touched (its triggers do not fire).
-        return sql.SQL(
-            "update {t} as t set {sets} from {d} as d "
-            "where d.op = 'u' and {on} and {where} and {nb} and {distinct}"
-        ).format(
-            t=t.ident,
-            sets=sets,
-            d=plan.difference,
-            on=equal("t", key, "d", key_cols),
-            where=where,
-            nb=not_bad,
-            distinct=plan.distinct("t", plan.values, "d", vc),
-        )
-
-    def insert() -> sql.Composable | None:
-        if not planned["i"]:
-            return None
-        return sql.SQL(
-            "insert into {t} ({cols}) select {dc} from {d} as d "
-            "where d.op = 'i' and {where} and {nb}"
-        ).format(t=t.ident, cols=columns, dc=d_columns, d=plan.difference, where=where, nb=not_bad)
-
+    statements = {
+        "d": writes.delete() if planned["d"] or writes.has_bad else None,
+        "u": writes.update() if plan.values and expected_updates else None,
+        "i": writes.insert() if planned["i"] else None,
+    }
     # Without a self-reference: delete, update, insert. With one, a row's
     # self-parent must exist before it is written and outlive it: inserts
     # first, deletes last.
-    order = (
-        (("d", delete), ("u", update), ("i", insert))
-        if plan.self_ref is None
-        else (("i", insert), ("u", update), ("d", delete))
-    )
-    steps = [(op, statement) for op, make in order if (statement := make()) is not None]
+    order = "dui" if plan.self_ref is None else "iud"
+    steps = [(op, statements[op]) for op in order if statements[op] is not None]
     if not steps:
         return out
-    counts = run_all(conn, [statement for _, statement in steps])
-    for (op, _), result in zip(steps, counts, strict=True):
+    results = run_all(conn, [statement for _, statement in steps if statement is not None])
+    for (op, _), result in zip(steps, results, strict=True):
         if op == "d":
             out.deleted += result.rowcount
         elif op == "u":
@@ -135,20 +71,99 @@ def write_rows(
         # were deleted since the difference was taken (their old parent
         # was deleted, cascading). The latter are inserted: the target
         # must hold every new row whose parents are alive.
-        out.inserted += run(
-            conn,
-            sql.SQL(
-                "insert into {t} ({cols}) select {dc} from {d} as d "
-                "where d.op = 'u' and {where} and {nb} "
-                "and not exists (select from {t} as t where {on})"
-            ).format(
-                t=t.ident,
-                cols=columns,
-                dc=d_columns,
-                d=plan.difference,
-                where=where,
-                nb=not_bad,
-                on=equal("t", key, "d", key_cols),
-            ),
-        ).rowcount
+        out.inserted += run(conn, writes.insert_vanished()).rowcount
     return out
+
+
+class _Writes:
+    """The statements of step 3 for one pass (difference rows aliased ``d``)."""
+
+    def __init__(self, plan: Plan, chunk: int | None, *, has_bad: bool) -> None:
+        self.plan = plan
+        self.has_bad = has_bad
+        key_in_difference = plan.difference_key
+        self.where = chunk_filter("d", chunk)
+        self.not_bad: sql.Composable = (
+            sql.SQL("not exists (select from {} as bad where {})").format(
+                plan.bad, equal("bad", key_in_difference, "d", key_in_difference)
+            )
+            if has_bad
+            else sql.SQL("true")
+        )
+        self.columns = idents(plan.columns)
+        self.new_values = idents([plan.new[c] for c in plan.columns], "d")
+        #: a target row (``t``) and its difference row have the same key
+        self.same_key = equal("t", plan.key, "d", key_in_difference)
+
+    def delete(self) -> sql.Composable:
+        plan = self.plan
+        key_in_difference = plan.difference_key
+        victims: sql.Composable = sql.SQL(
+            "select {} from {} as d where d.op = 'd' and {} and {}"
+        ).format(idents(key_in_difference, "d"), plan.difference, self.where, self.not_bad)
+        if self.has_bad:
+            # skipped rows that exist (an update to a dead parent; with a
+            # self-reference, also unchanged rows whose self-parent is skipped)
+            victims = sql.SQL("{} union all select {} from {} where not defer").format(
+                victims, idents(key_in_difference), plan.bad
+            )
+        # The two victim sets are disjoint (bad 'd' rows are only ever
+        # deferred), so a join: the victims drive, the key index finds rows.
+        victim_key = [f"k{j}" for j in range(len(plan.key))]
+        return sql.SQL("delete from {t} as t using ({v}) as v ({vk}) where {on}").format(
+            t=plan.target.ident,
+            v=victims,
+            vk=idents(victim_key),
+            on=equal("t", plan.key, "v", victim_key),
+        )
+
+    def update(self) -> sql.Composable:
+        plan = self.plan
+        sets = sql.SQL(", ").join(
+            sql.SQL("{} = {}").format(sql.Identifier(v), sql.Identifier("d", plan.new[v]))
+            for v in plan.values
+        )
+        new_values = [plan.new[v] for v in plan.values]
+        # Compared again at write time: a row that already holds the new values
+        # is not touched (its triggers do not fire).
+        return sql.SQL(
+            "update {t} as t set {sets} from {d} as d "
+            "where d.op = 'u' and {on} and {where} and {nb} and {distinct}"
+        ).format(
+            t=plan.target.ident,
+            sets=sets,
+            d=plan.difference,
+            on=self.same_key,
+            where=self.where,
+            nb=self.not_bad,
+            distinct=plan.distinct("t", plan.values, "d", new_values),
+        )
+
+    def insert(self) -> sql.Composable:
+        return sql.SQL(
+            "insert into {t} ({cols}) select {new} from {d} as d "
+            "where d.op = 'i' and {where} and {nb}"
+        ).format(
+            t=self.plan.target.ident,
+            cols=self.columns,
+            new=self.new_values,
+            d=self.plan.difference,
+            where=self.where,
+            nb=self.not_bad,
+        )
+
+    def insert_vanished(self) -> sql.Composable:
+        """Rows planned as updates whose target row is gone: inserted."""
+        return sql.SQL(
+            "insert into {t} ({cols}) select {new} from {d} as d "
+            "where d.op = 'u' and {where} and {nb} "
+            "and not exists (select from {t} as t where {on})"
+        ).format(
+            t=self.plan.target.ident,
+            cols=self.columns,
+            new=self.new_values,
+            d=self.plan.difference,
+            where=self.where,
+            nb=self.not_bad,
+            on=self.same_key,
+        )

@@ -1,0 +1,77 @@
+"""The body of a :class:`~pgjobs.QueueJob`: one tick claims a batch of
+items, computes their new rows once, writes one diff scoped to them, calls
+``after``, and takes them off the queue with the commit.
+
+1. *Claim*, in one statement: the due items in key order; their parents
+   ``FOR KEY SHARE SKIP LOCKED``; then the entries of the items whose
+   parents are locked (or gone) ``FOR UPDATE SKIP LOCKED``. Nothing waits.
+2. Load the batch's keys into ``pgjobs_keys`` and call ``compute(conn, keys)``.
+3. Write one scoped diff (:func:`pgjobs.diff.write_diff`), then ``after``.
+4. Delete the processed entries in the commit's round trip.
+
+Read on: :mod:`.claim` (step 1), :mod:`.tick` (the rest, and the
+isolation of failing items), :mod:`.base`, :mod:`.vacuum`. The queue
+table's API is :mod:`pgjobs.queue`; why each step is as it is:
+``docs/DESIGN.md``, "The queue and its worker".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy.engine import Connection
+
+from .._pg import driver
+from ..jobs import QueueJob, RunContext
+from ..queue import queue_table
+from ..results import Execution
+from ..target import prefetch_fingerprint
+from .tick import Worker
+
+
+def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[str]]:
+    """Is a live item of ``job`` due? One index probe, taken before any lock."""
+    return (
+        sql.SQL(
+            "select exists (select from {} where job = %s and dead_at is null and not_before <= now())"
+        ).format(queue_table(ctx.schema)),
+        (job.name,),
+    )
+
+
+def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
+    """:func:`pending_query`'s answer."""
+    row = driver(conn).execute(*pending_query(job, ctx)).fetchone()
+    return bool(row and row[0])
+
+
+def run_queue(conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
+    """One tick of ``job``: claim a batch, compute it once, write one scoped
+    diff, call ``after``; inside the job's transaction, the group lock held."""
+    return Worker(conn, job, ctx).run()
+
+
+class QueueBody:
+    """How the runner runs a :class:`~pgjobs.QueueJob`."""
+
+    def work_query(
+        self, job: QueueJob, ctx: RunContext
+    ) -> tuple[sql.Composed, Sequence[Any]] | None:
+        return None if job.has_work is not None else pending_query(job, ctx)
+
+    def check_work(self, conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
+        if job.has_work is not None:
+            return bool(job.has_work(conn))
+        return has_pending(conn, job, ctx)
+
+    def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> None:
+        # the reflection cache's catalog check (see reflect_target)
+        ctx.extra["fingerprint"] = prefetch_fingerprint(conn, job.target, job.parents)
+
+    def execute(self, conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
+        return run_queue(conn, job, ctx)
+
+
+BODY = QueueBody()
