@@ -12,6 +12,8 @@ statements in one round trip. Every statement is one SQL command.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from psycopg import sql
 from sqlalchemy.engine import Connection, RootTransaction
 
 Params = Sequence[Any] | Mapping[str, Any] | None
+
+log = logging.getLogger(__name__)
 
 
 def driver(conn: Connection) -> psycopg.Connection[Any]:
@@ -40,17 +44,57 @@ def abandon(conn: Connection, trans: RootTransaction) -> None:
 
     After a statement failed in a psycopg pipeline, or a COMMIT sent in one,
     SQLAlchemy may see its transaction as over while the server still holds
-    an aborted one: the connection's next ``begin()`` would then fail."""
-    raw = conn.connection.driver_connection
+    an aborted one: the connection's next ``begin()`` would then fail.
+    Never raises: a connection that cannot roll back (it is gone) is
+    invalidated, so that its pool does not hand it out again."""
+    raw = conn.connection.driver_connection if not conn.invalidated else None
     if isinstance(raw, psycopg.Connection):
         _queued.pop(raw, None)
-    trans.rollback()
-    if (
+    try:
+        trans.rollback()
+        if (
+            isinstance(raw, psycopg.Connection)
+            and not raw.closed
+            and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        ):
+            raw.rollback()
+    except Exception:
+        log.debug("pgjobs: rolling back failed; dropping the connection", exc_info=True)
+        with contextlib.suppress(Exception):
+            conn.invalidate()
+
+
+def open_transaction(conn: Connection) -> bool:
+    """Does the server still hold ``conn``'s transaction (running, or aborted
+    by an error, its locks kept)? False when the connection is gone."""
+    if conn.invalidated or conn.closed:
+        return False
+    raw = conn.connection.driver_connection
+    return (
         isinstance(raw, psycopg.Connection)
         and not raw.closed
-        and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-    ):
-        raw.rollback()
+        and raw.info.transaction_status
+        in (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
+    )
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Did ``exc`` come from a connection that is gone (or from the server
+    shutting the session down)?"""
+    state = sqlstate_of(exc)
+    if state is not None:
+        return state.startswith(("08", "57P"))
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):
+            if isinstance(candidate, psycopg.OperationalError | psycopg.InterfaceError):
+                return True
+            if getattr(candidate, "connection_invalidated", False):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 # -- round trips ----------------------------------------------------------------------
@@ -139,13 +183,18 @@ def send(
 def _pipeline(
     raw: psycopg.Connection[Any], todo: list[Later], commit: RootTransaction | None
 ) -> None:
+    """``todo`` (and COMMIT) in one psycopg pipeline. The COMMIT goes as a
+    statement, and SQLAlchemy is told afterwards (psycopg then has nothing
+    left to do): should a statement before it fail, the server skips the
+    COMMIT and keeps the transaction open, aborted, with its locks, which
+    the caller may roll back to a savepoint and go on in."""
     cursors: list[psycopg.Cursor[Any]] = []
     try:
         with raw.pipeline():
             for item in todo:
                 cursors.append(raw.execute(item.statement, item.params))  # type: ignore[arg-type]
             if commit is not None:
-                commit.commit()
+                raw.execute("commit")
     except BaseException:
         for item, cur in zip(todo, cursors, strict=False):
             if cur.pgresult is not None and cur.pgresult.status in _OK:
@@ -153,6 +202,8 @@ def _pipeline(
         raise
     for item, cur in zip(todo, cursors, strict=True):
         item.result = _result(cur)
+    if commit is not None:
+        commit.commit()
 
 
 _OK = (psycopg.pq.ExecStatus.TUPLES_OK, psycopg.pq.ExecStatus.COMMAND_OK)

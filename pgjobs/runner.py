@@ -19,15 +19,16 @@ import logging
 import os
 import random
 import socket
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 
-from ._pg import abandon, execute, later, send, set_local, sqlstate_of
+from ._pg import abandon, connection_lost, later, open_transaction, send, set_local, sqlstate_of
 from .database import resolve_engine
 from .errors import ConfigError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
@@ -84,18 +85,22 @@ def utcnow() -> datetime:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
-_ASYNC_COMMIT = {"synchronous_commit": "off"}
+_SYNC_COMMIT = {"synchronous_commit": "on"}
 
 
 def _job_settings(job: Job) -> dict[str, str]:
     """``SET LOCAL`` values of the job's ``lock_timeout``, ``statement_timeout``
-    and ``synchronous_commit``."""
+    and ``synchronous_commit``; and ``client_connection_check_interval``, so
+    that the server notices a client that died in the middle of a long
+    statement within a second, and lets go of its locks (otherwise they
+    stay until the statement ends: up to 4.6 s measured after a SIGKILL)."""
     values = {}
     for name in ("lock_timeout", "statement_timeout"):
         value = getattr(job, name)
         assert isinstance(value, timedelta)
         values[name] = f"{int(value.total_seconds() * 1000)}ms"
     values["synchronous_commit"] = "on" if job.synchronous_commit else "off"
+    values["client_connection_check_interval"] = "1000ms"
     return values
 
 
@@ -141,11 +146,80 @@ class Runner:
         self.store = Store(schema)
         self.clock = clock
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+        self.quiet = _Quiet(self.store)
+        #: failures that could not be written yet (the database was away), by job
+        self._unrecorded: dict[str, _Failure] = {}
+        self._unrecorded_lock = threading.Lock()
 
     def close(self) -> None:
-        """Dispose of the engine if this runner created it."""
+        """Write what is still counted or unrecorded (if the database is
+        there), and dispose of the engine if this runner created it."""
+        try:
+            self.flush()
+        except Exception:
+            log.warning("pgjobs: could not write the last tick counts on close", exc_info=True)
         if self._owned:
             self.engine.dispose()
+
+    def flush(self) -> None:
+        """Write the failures that could not be recorded when they happened,
+        and the counts of quiet ticks, to ``job_state`` and the run log."""
+        with self._unrecorded_lock:
+            failures, self._unrecorded = self._unrecorded, {}
+        jobs = self.quiet.jobs()
+        if not failures and not jobs:
+            return
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                for failure in failures.values():
+                    later(conn, *failure.state_query(self.store))
+                    later(conn, *self.store.run_query(failure.result, self.worker))
+                for job in jobs:
+                    self.quiet.queue_for(conn, job)
+                send(conn)
+        except Exception:
+            with self._unrecorded_lock:
+                for job, failure in failures.items():
+                    self._unrecorded.setdefault(job, failure)
+            raise
+        for failure in failures.values():
+            log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
+
+    def record_failure(self, failure: _Failure, conn: Connection) -> RunResult:
+        """Write ``failure`` on ``conn`` if it still works, else on a new
+        connection; else keep it and write it once the database answers
+        again (:meth:`flush`, before the next tick)."""
+        if not conn.invalidated:
+            try:
+                return self._save_failure(conn, failure)
+            except Exception:
+                log.debug(
+                    "pgjobs: recording %s's failure on its own connection failed",
+                    failure.result.job,
+                    exc_info=True,
+                )
+        try:
+            with self.engine.connect() as other:
+                return self._save_failure(other, failure)
+        except Exception:
+            with self._unrecorded_lock:
+                self._unrecorded[failure.result.job] = failure
+            log.warning(
+                "pgjobs: %s: its failure cannot be recorded now (database unreachable);"
+                " kept until it can",
+                failure.result.job,
+            )
+            return failure.result
+
+    def _save_failure(self, conn: Connection, failure: _Failure) -> RunResult:
+        with conn.begin():
+            self.quiet.queue_for(conn, failure.result.job)
+            _, recorded = send(
+                conn,
+                failure.state_query(self.store),
+                self.store.run_query(failure.result, self.worker),
+            )
+        return replace(failure.result, run_id=int(recorded.scalar()))
 
     def __enter__(self) -> Runner:
         return self
@@ -172,6 +246,8 @@ class Runner:
         replicas know the job is done until then). ``force`` ignores the
         schedule and the backoff (never the lock).
         """
+        if self._unrecorded:
+            self.flush()
         with self.engine.connect() as conn:
             self.store.ensure(conn)
             return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
@@ -303,21 +379,19 @@ class _Tick:
     def _locked_run(self) -> RunResult:
         conn, job = self.conn, self.job
         self.trans: RootTransaction = conn.begin()
-        session_locked = False
+        self.session_locked = False
         try:
             stop = self._lock()
             if stop is not None:
                 return stop
-            if getattr(job, "chunk_parents", None):
-                session_locked = try_session_lock(conn, self.runner.namespace, self._group)
+            if isinstance(job, RecomputeJob):
                 self.ctx.checkpoint = self._checkpoint
             execution = self.body.execute(conn, job, self.ctx)
             result = self._commit(execution)
         except Exception as exc:
-            abandon(conn, self.trans)
-            return self._fail(exc)
+            return self._fail_locked(exc)
         finally:
-            if session_locked:
+            if self.session_locked:
                 self._release_session_lock()
         log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
         self._after_commit()
@@ -338,6 +412,9 @@ class _Tick:
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
         self.body.prefetch(self.conn, self.job, self.ctx)
+        # what the body does, it does under this savepoint: should it fail,
+        # the failure is recorded in this transaction, the lock still held
+        later(self.conn, _SAVEPOINT_RUN)
         send(self.conn)
         assert lock.result is not None and state.result is not None
         if not lock.result.scalar():
@@ -352,11 +429,17 @@ class _Tick:
 
     def _checkpoint(self) -> None:
         """Commit what is written so far, and go on in a new transaction with
-        the job's settings (chunked writes; the session lock keeps the group)."""
+        the job's settings and its savepoint (chunked writes). The first one
+        takes the group's lock at session level too, which keeps the group
+        across the commits (this session holds it already, in the
+        transaction: it is granted at once)."""
+        if not self.session_locked:
+            self.session_locked = try_session_lock(self.conn, self.runner.namespace, self._group)
         self._queue_before_commit()
         send(self.conn, commit=self.trans)
         self.trans = self.conn.begin()
-        execute(self.conn, *set_local(_job_settings(self.job)))
+        later(self.conn, *set_local(_job_settings(self.job)))
+        later(self.conn, _SAVEPOINT_RUN)
 
     def _commit(self, execution: Execution) -> RunResult:
         """Step 5: the run record (with the success state) and COMMIT, in one
@@ -377,6 +460,10 @@ class _Tick:
             detail=dict(execution.detail),
         )
         self._queue_before_commit()
+        # deferred constraints are checked here, under the savepoint: a
+        # violation is then a failure recorded with the lock still held
+        later(self.conn, _CONSTRAINTS_NOW)
+        self.runner.quiet.queue_for(self.conn, self.job.name)
         (recorded,) = send(
             self.conn,
             self.store.run_query(result, self.runner.worker, success_next_attempt=next_attempt),
@@ -402,6 +489,10 @@ class _Tick:
                     self.conn.rollback()
 
     def _next_after_success(self) -> datetime:
+        if isinstance(self.job, QueueJob):
+            # a queue job is due whenever it has work: its interval is how
+            # often it looks when nothing wakes it, not a pace
+            return self.started
         if self.job.interval is not None:
             return self.started + self.job.interval
         return self.next_due if self.next_due is not None else self.started
@@ -430,12 +521,11 @@ class _Tick:
             self.conn.invalidate()
 
     # -- step 6 ----------------------------------------------------------------------
-    def _fail(self, exc: Exception) -> RunResult:
+    def _failure(self, exc: Exception) -> _Failure:
         job, state = self.job, self.state
         failures = (state.failures if state else 0) + 1
         next_attempt = self.runner.clock() + job.backoff_policy.delay(failures)
-        sqlstate = sqlstate_of(exc)
-        error = _error_text(exc)
+        sqlstate = sqlstate_of(exc) or ("08006" if connection_lost(exc) else None)
         log.error(
             "pgjobs: %s failed (%s), next attempt at %s",
             job.name,
@@ -448,39 +538,47 @@ class _Tick:
             outcome=Outcome.FAILED,
             started_at=self.started,
             finished_at=self.runner.clock(),
-            error=error,
+            error=_error_text(exc),
             sqlstate=sqlstate,
             next_attempt_at=next_attempt,
         )
+        return _Failure(result=result, failures=failures, started_at=self.started)
 
-        def save(c: Connection) -> RunResult:
-            with c.begin():
-                self.store.record_failure(
-                    c,
-                    job.name,
-                    started_at=self.started,
-                    failures=failures,
-                    next_attempt_at=next_attempt,
-                    error=error,
-                    sqlstate=sqlstate,
-                )
-                return replace(result, run_id=self.store.insert_run(c, result, self.runner.worker))
-
-        if not self.conn.invalidated:
+    def _fail_locked(self, exc: Exception) -> RunResult:
+        """A failure with the group lock taken: recorded in the job's own
+        transaction (rolled back to its savepoint, the lock still held), so
+        that no replica can start the job between the failure and its
+        backoff. When that transaction is gone (the connection was lost, or
+        COMMIT itself failed), so is the lock: recorded elsewhere."""
+        failure = self._failure(exc)
+        if open_transaction(self.conn):
             try:
-                return save(self.conn)
+                self.runner.quiet.queue_for(self.conn, self.job.name)
+                *_, recorded = send(
+                    self.conn,
+                    (_ROLLBACK_RUN, None),
+                    set_local(_SYNC_COMMIT),
+                    failure.state_query(self.store),
+                    self.store.run_query(failure.result, self.runner.worker),
+                    commit=self.trans,
+                )
+                return replace(failure.result, run_id=int(recorded.scalar()))
             except Exception:
-                log.debug("pgjobs: recording %s's failure on its own connection failed", job.name)
-        # The job's connection broke with the job: record on a new one.
-        with self.runner.engine.connect() as other:
-            return save(other)
+                log.debug(
+                    "pgjobs: %s: recording the failure in its own transaction failed",
+                    self.job.name,
+                    exc_info=True,
+                )
+        abandon(self.conn, self.trans)
+        return self.runner.record_failure(failure, self.conn)
+
+    def _fail(self, exc: Exception) -> RunResult:
+        """A failure before the lock (the work check): recorded on its own."""
+        return self.runner.record_failure(self._failure(exc), self.conn)
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:
-        """The run record of a tick that changed nothing (idle, busy, not due,
-        backing off): BEGIN and the insert in one round trip, committed
-        without waiting for the WAL flush (a crash may lose the last few such
-        records, nothing else; a job's own record and state are written in
-        its transaction, a failure's with a synchronous commit)."""
+        """A tick that changed nothing (idle, busy, not due, backing off):
+        counted, not logged (see :class:`_Quiet`)."""
         result = RunResult(
             job=self.job.name,
             outcome=outcome,
@@ -488,13 +586,71 @@ class _Tick:
             finished_at=self.runner.clock(),
             **fields,
         )
-        with self.conn.begin():
-            _, recorded = send(
-                self.conn,
-                set_local(_ASYNC_COMMIT),
-                self.store.run_query(result, self.runner.worker),
-            )
-        return replace(result, run_id=int(recorded.scalar()))
+        self.runner.quiet.count(result)
+        return result
+
+
+_SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
+_ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
+_CONSTRAINTS_NOW = sql.SQL("set constraints all immediate")
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed run and the state it puts its job in."""
+
+    result: RunResult
+    failures: int
+    started_at: datetime
+
+    def state_query(self, store: Store) -> tuple[sql.Composed, dict[str, Any]]:
+        result = self.result
+        assert result.next_attempt_at is not None and result.error is not None
+        return store.failure_query(
+            result.job,
+            started_at=self.started_at,
+            failures=self.failures,
+            next_attempt_at=result.next_attempt_at,
+            error=result.error,
+            sqlstate=result.sqlstate,
+        )
+
+
+class _Quiet:
+    """Ticks that changed nothing, counted per job and outcome until they are
+    written to ``job_state`` (with the job's next run record, or by
+    :meth:`Runner.flush`): each used to write a row to the run log, and
+    with wake-ups reaching every replica, every enqueue would log one per
+    replica."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._counts: dict[str, dict[str, int]] = {}
+        self._last: dict[str, tuple[datetime, str]] = {}
+
+    def count(self, result: RunResult) -> None:
+        with self._lock:
+            counts = self._counts.setdefault(result.job, {})
+            counts[str(result.outcome)] = counts.get(str(result.outcome), 0) + 1
+            self._last[result.job] = (result.finished_at, str(result.outcome))
+
+    def take(self, job: str) -> tuple[dict[str, int], tuple[datetime, str]] | None:
+        with self._lock:
+            counts = self._counts.pop(job, None)
+            last = self._last.pop(job, None)
+        return None if counts is None or last is None else (counts, last)
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return list(self._counts)
+
+    def queue_for(self, conn: Connection, job: str) -> None:
+        """Queue the job's counts for the next round trip (a run record's)."""
+        taken = self.take(job)
+        if taken is not None:
+            counts, (at, outcome) = taken
+            later(conn, *self.store.quiet_query(job, counts, at, outcome))
 
 
 __all__ = ["BODIES", "Runner", "body_of"]

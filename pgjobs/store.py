@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgjobs"
 
+#: tick outcomes that change nothing: counted in ``job_state``, not logged
+QUIET_OUTCOMES = ("idle", "busy", "not_due", "backing_off")
+
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=str)
@@ -169,9 +172,8 @@ class Store:
             return None
         return JobState(job, row[1], row[2], row[3], row[4], row[5])
 
-    def record_failure(
+    def failure_query(
         self,
-        conn: Connection,
         job: str,
         *,
         started_at: datetime,
@@ -179,28 +181,51 @@ class Store:
         next_attempt_at: datetime,
         error: str,
         sqlstate: str | None,
-    ) -> None:
-        execute(
-            conn,
-            sql.SQL(
-                "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
-                " last_failure_at, last_error, last_sqlstate, updated_at)"
-                " values (%(job)s, %(next)s, %(failures)s, %(started)s, %(started)s, %(error)s,"
-                " %(sqlstate)s, %(started)s)"
-                " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
-                " failures = excluded.failures, last_started_at = excluded.last_started_at,"
-                " last_failure_at = excluded.last_failure_at, last_error = excluded.last_error,"
-                " last_sqlstate = excluded.last_sqlstate, updated_at = excluded.updated_at"
-            ).format(self.table("job_state")),
-            {
-                "job": job,
-                "next": next_attempt_at,
-                "failures": failures,
-                "started": started_at,
-                "error": error,
-                "sqlstate": sqlstate,
-            },
-        )
+    ) -> tuple[sql.Composed, dict[str, Any]]:
+        """The statement that records a failure in ``job_state`` (backoff
+        until ``next_attempt_at``). A failure recorded late (its connection
+        was lost) changes nothing when the job has succeeded since it started."""
+        query = sql.SQL(
+            "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
+            " last_failure_at, last_error, last_sqlstate, updated_at)"
+            " values (%(job)s, %(next)s, %(failures)s, %(started)s, %(started)s, %(error)s,"
+            " %(sqlstate)s, %(started)s)"
+            " on conflict (job) do update set next_attempt_at = excluded.next_attempt_at,"
+            " failures = excluded.failures, last_started_at = excluded.last_started_at,"
+            " last_failure_at = excluded.last_failure_at, last_error = excluded.last_error,"
+            " last_sqlstate = excluded.last_sqlstate, updated_at = excluded.updated_at"
+            " where s.last_success_at is null or s.last_success_at < excluded.last_started_at"
+        ).format(self.table("job_state"))
+        params = {
+            "job": job,
+            "next": next_attempt_at,
+            "failures": failures,
+            "started": started_at,
+            "error": error,
+            "sqlstate": sqlstate,
+        }
+        return query, params
+
+    def quiet_query(
+        self, job: str, counts: Mapping[str, int], last_at: datetime, last_outcome: str
+    ) -> tuple[sql.Composed, dict[str, Any]]:
+        """The statement that adds ``counts`` (ticks by quiet outcome: idle,
+        busy, not_due, backing_off) to the job's state."""
+        query = sql.SQL(
+            "insert into {} as s (job, idle_ticks, busy_ticks, not_due_ticks, backing_off_ticks,"
+            " last_quiet_at, last_quiet_outcome) values (%(job)s, %(idle)s, %(busy)s,"
+            " %(not_due)s, %(backing_off)s, %(at)s, %(outcome)s)"
+            " on conflict (job) do update set idle_ticks = s.idle_ticks + excluded.idle_ticks,"
+            " busy_ticks = s.busy_ticks + excluded.busy_ticks,"
+            " not_due_ticks = s.not_due_ticks + excluded.not_due_ticks,"
+            " backing_off_ticks = s.backing_off_ticks + excluded.backing_off_ticks,"
+            " last_quiet_at = greatest(s.last_quiet_at, excluded.last_quiet_at),"
+            " last_quiet_outcome = case when s.last_quiet_at > excluded.last_quiet_at"
+            " then s.last_quiet_outcome else excluded.last_quiet_outcome end"
+        ).format(self.table("job_state"))
+        params: dict[str, Any] = {name: counts.get(name, 0) for name in QUIET_OUTCOMES}
+        params.update(job=job, at=last_at, outcome=last_outcome)
+        return query, params
 
     # -- run log -----------------------------------------------------------
     def insert_run(

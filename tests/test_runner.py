@@ -47,6 +47,7 @@ def advisory_locks(engine) -> int:
 
 
 def runs(engine, job: str) -> list[tuple[str, int]]:
+    """The job's rows in the run log: runs that did something, and failures."""
     with engine.connect() as conn:
         return [
             (r.outcome, r.inserted)
@@ -55,6 +56,23 @@ def runs(engine, job: str) -> list[tuple[str, int]]:
                 {"job": job},
             )
         ]
+
+
+def quiet(engine, job: str) -> dict[str, int]:
+    """The job's ticks that changed nothing, as counted in its state (written
+    with its next run record, or when the runner flushes or closes)."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "select idle_ticks, busy_ticks, not_due_ticks, backing_off_ticks"
+                " from pgjobs.job_state where job = :job"
+            ),
+            {"job": job},
+        ).one_or_none()
+    if row is None:
+        return {}
+    counts = dict(zip(("idle", "busy", "not_due", "backing_off"), row, strict=True))
+    return {outcome: n for outcome, n in counts.items() if n}
 
 
 @pytest.fixture
@@ -88,7 +106,8 @@ def test_busy_while_another_transaction_holds_the_group_lock(items):
         assert runner.tick(job).outcome == "ran"
     with items.connect() as conn:
         assert conn.execute(text("select count(*) from item")).scalar_one() == 3
-    assert runs(items, "writer") == [("busy", 0), ("ran", 3)]
+    assert runs(items, "writer") == [("ran", 3)]
+    assert quiet(items, "writer") == {"busy": 1}
 
 
 def test_the_lock_key_uses_namespace_and_group(items):
@@ -115,7 +134,8 @@ def test_idle_pass_takes_no_advisory_lock(items):
         result = runner.tick(job)
     assert result.outcome == "idle"
     assert seen == [0]
-    assert runs(items, "idle") == [("idle", 0)]
+    assert runs(items, "idle") == []
+    assert quiet(items, "idle") == {"idle": 1}
 
 
 def test_has_work_runs_read_only(items):
@@ -150,7 +170,8 @@ def test_a_one_statement_work_check_decides_idle_or_ran_with_the_state_read(item
         clock.advance(seconds=10)
         not_due = runner.tick(QueryChecked(name="q", run=insert_items(3), every="60s"))
     assert (idle.outcome, ran.outcome, not_due.outcome) == ("idle", "ran", "not_due")
-    assert runs(items, "q") == [("idle", 0), ("ran", 2), ("not_due", 0)]
+    assert runs(items, "q") == [("ran", 2)]
+    assert quiet(items, "q") == {"idle": 1, "not_due": 1}
 
 
 def test_a_work_statement_that_fails_falls_back_to_check_work_read_only(items):
@@ -313,7 +334,8 @@ def test_failing_job_backs_off_everywhere_until_next_attempt(items, db_url):
         with items.connect() as conn:
             row = conn.execute(text("select failures, next_attempt_at from pgjobs.job_state")).one()
         assert row.failures == 0 and row.next_attempt_at == clock.now + timedelta(minutes=1)
-    assert [o for o, _ in runs(items, "flaky")] == ["failed"] + ["backing_off"] * 3 + ["ran"]
+    assert [o for o, _ in runs(items, "flaky")] == ["failed", "ran"]
+    assert quiet(items, "flaky") == {"backing_off": 3}
 
 
 def test_consecutive_failures_grow_the_backoff(items):
@@ -377,12 +399,16 @@ def test_two_processes_never_overlap_and_run_once_per_interval(items, db_url):
             .all()
         )
         outcomes = set(conn.execute(text("select distinct outcome from pgjobs.run")).scalars())
+        not_due = conn.execute(
+            text("select not_due_ticks from pgjobs.job_state where job = 'shared'")
+        ).scalar_one()
     assert len(log) >= 4 and len(log) == len(ran)
     for before, after in itertools.pairwise(log):
         assert before.finished is not None and before.finished <= after.started, "runs overlapped"
     for before, after in itertools.pairwise(ran):
         assert after - before >= timedelta(seconds=0.9), "ran twice within one interval"
-    assert "not_due" in outcomes
+    assert outcomes == {"ran"}  # ticks that changed nothing are counted, not logged
+    assert not_due > 0
 
 
 KILLED = textwrap.dedent(
@@ -507,7 +533,7 @@ def test_database_errors_are_recorded_with_their_sqlstate(items):
     assert stored == expected and logged == expected
 
 
-def test_every_outcome_lands_in_the_run_log_with_its_figures(items):
+def test_runs_and_failures_land_in_the_run_log_and_quiet_ticks_are_counted(items):
     clock = FakeClock()
     ok = pgjobs.TaskJob(name="ok", run=insert_items(4), every="1m")
     with pgjobs.Runner(items, clock=clock) as runner:
@@ -541,14 +567,20 @@ def test_every_outcome_lands_in_the_run_log_with_its_figures(items):
                 )
             )
         }
-    assert len(rows) == 6
-    for result in results:
+    assert len(rows) == 2
+    for result in (ran, failed):
         row = rows[result.run_id]
         assert (row.job, row.outcome) == (result.job, result.outcome)
         assert row.started_at == result.started_at and row.finished_at >= row.started_at
         assert row.worker
     assert rows[ran.run_id].inserted == 4
     assert "ZeroDivisionError" in rows[failed.run_id].error
+    for result in (not_due, idle, backing_off, busy):
+        assert result.run_id is None
+    assert quiet(items, "ok") == {"not_due": 1}
+    assert quiet(items, "idle") == {"idle": 1}
+    assert quiet(items, "bad") == {"backing_off": 1}
+    assert quiet(items, "busy") == {"busy": 1}
 
 
 def test_prune_deletes_old_runs_only(items):

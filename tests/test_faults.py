@@ -1,0 +1,166 @@
+"""Failures, whatever kills them: recorded, backed off, never run twice.
+
+Real connections throughout: a backend terminated from another connection,
+six runners racing on one failing job, a deferred constraint failing at
+commit. Races are scripted with events, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import text
+
+import pgjobs
+
+WAIT = 30.0
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    """A clock shared by several runners, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def job_state(engine, job: str):
+    with engine.connect() as conn:
+        return conn.execute(
+            text(
+                "select failures, next_attempt_at, last_sqlstate from pgjobs.job_state"
+                " where job = :job"
+            ),
+            {"job": job},
+        ).one_or_none()
+
+
+def logged(engine, job: str) -> list[tuple[str, str | None]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                text("select outcome, sqlstate from pgjobs.run where job = :job order by id"),
+                {"job": job},
+            )
+        ]
+
+
+def test_a_job_whose_backend_is_terminated_mid_write_is_a_recorded_failure(engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("create table written (n int)"))
+    pid: list[int] = []
+    writing = threading.Event()
+
+    def body(conn):
+        conn.execute(text("insert into written values (1)"))
+        pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+        writing.set()
+        conn.execute(text("select pg_sleep(60)"))  # terminated in here
+
+    def terminate() -> None:
+        assert writing.wait(WAIT)
+        with engine.connect() as admin:
+            assert admin.execute(text("select pg_terminate_backend(:p)"), {"p": pid[0]}).scalar()
+
+    job = pgjobs.TaskJob(name="killed", run=body, backoff="1h")
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    with pgjobs.Runner(engine) as runner:
+        result = runner.tick(job)
+        killer.join(WAIT)
+        assert (result.outcome, result.sqlstate) == ("failed", "57P01")
+        assert result.run_id is not None
+        # and it backs off like any failure, in this process and in others
+        assert runner.tick(job).outcome == "backing_off"
+    failures, next_attempt, sqlstate = job_state(engine, "killed")
+    assert (failures, sqlstate) == (1, "57P01")
+    assert next_attempt > datetime.now(UTC) + timedelta(minutes=59)
+    assert logged(engine, "killed") == [("failed", "57P01")]
+    with engine.connect() as conn:
+        assert conn.execute(text("select count(*) from written")).scalar_one() == 0
+
+
+def test_a_failing_job_runs_once_per_backoff_window_with_six_runners_racing(engine) -> None:
+    """Six runners, in threads, tick one failing job together and retry at
+    once whenever they find the group busy. Before the failure was written
+    inside the job's transaction, a runner whose due check came before the
+    failure's record could take the lock between the rollback and the
+    record, and run the failing body a second time."""
+    clock = Clock()
+    runs: list[int] = []
+    count_lock = threading.Lock()
+
+    def failing(conn):
+        with count_lock:
+            runs[-1] += 1
+        conn.execute(text("select pg_sleep(0.05)"))
+        raise RuntimeError("always fails")
+
+    job = pgjobs.TaskJob(name="failing", run=failing, every="1s", backoff="1h", busy_retry=None)
+    rounds, racers = 20, 6
+    start = threading.Barrier(racers + 1)
+    done = threading.Barrier(racers + 1)
+    outcomes: list[list[str]] = [[] for _ in range(racers)]
+    runners = [pgjobs.Runner(engine, clock=clock, worker=f"r{i}") for i in range(racers)]
+
+    def racer(i: int) -> None:
+        for _ in range(rounds):
+            start.wait(WAIT)
+            while True:
+                outcome = runners[i].tick(job).outcome
+                if outcome != "busy":
+                    break
+            outcomes[i].append(str(outcome))
+            done.wait(WAIT)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(rounds):
+            runs.append(0)
+            start.wait(WAIT)
+            done.wait(WAIT)
+            clock.now += timedelta(hours=2)  # past the backoff: due again
+    finally:
+        for thread in threads:
+            thread.join(WAIT)
+        for runner in runners:
+            runner.close()
+    assert runs == [1] * rounds
+    for n in range(rounds):
+        assert sorted(o[n] for o in outcomes) == ["backing_off"] * (racers - 1) + ["failed"]
+    assert [o for o, _ in logged(engine, "failing")] == ["failed"] * rounds
+
+
+def test_a_deferred_constraint_failing_at_commit_is_recorded_with_the_lock_held(engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "create table parent (id int primary key);"
+                " create table child (parent_id int references parent"
+                " deferrable initially deferred)"
+            )
+        )
+    seen: dict[str, object] = {}
+
+    def body(conn):
+        conn.execute(text("insert into child values (42)"))  # no such parent: fails at commit
+
+    job = pgjobs.TaskJob(name="deferred", run=body, group="g", backoff="1h")
+    with pgjobs.Runner(engine) as runner:
+        result = runner.tick(job)
+        assert (result.outcome, result.sqlstate) == ("failed", "23503")
+        # the same group's other job, right after: the failure's state was
+        # written before the lock went, in the same transaction
+        seen["other"] = runner.tick(job).outcome
+    assert seen["other"] == "backing_off"
+    assert job_state(engine, "deferred")[0] == 1
+    assert logged(engine, "deferred") == [("failed", "23503")]
+    with engine.connect() as conn:
+        assert conn.execute(text("select count(*) from child")).scalar_one() == 0
