@@ -14,9 +14,9 @@ from sqlalchemy import column, null, select, table
 
 import pgjobs
 from pgjobs.diff import Scope, write_diff
+from pgjobs.errors import ConfigError
 from pgjobs.staging import stage
 from pgjobs.target import reflect_target
-from pgjobs.errors import ConfigError
 from pgjobs.testing import run_sql
 
 SCHEMA = """

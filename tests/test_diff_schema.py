@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import create_engine
 
 import pgjobs
-from pgjobs.target import reflect_target
 from pgjobs.errors import ConfigError
+from pgjobs.target import reflect_target
 from pgjobs.testing import run_sql
 
 

@@ -46,9 +46,7 @@ def test_a_cycle_is_found_and_named() -> None:
 def test_an_import_from_a_layer_above_is_refused() -> None:
     checker = load_checker()
     edges = {"jobs": {"runner"}, "runner": set()}
-    assert checker.problems(edges) == [
-        "jobs (model) imports runner (protocol), a layer above it"
-    ]
+    assert checker.problems(edges) == ["jobs (model) imports runner (protocol), a layer above it"]
 
 
 def test_imports_inside_functions_and_under_type_checking_count(tmp_path: Path) -> None:

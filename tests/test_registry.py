@@ -16,8 +16,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import pgjobs
-from pgjobs.config import Config, load_config
 from pgjobs.checks import check_jobs
+from pgjobs.config import Config, load_config
 from pgjobs.registry import Registry, get_registry, set_registry
 
 
