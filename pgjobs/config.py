@@ -21,8 +21,10 @@
 
 A table under ``[jobs]`` *with* ``kind`` declares a job (``recompute``,
 ``queue`` or ``task``); one *without* overrides a job some plugin registers.
-Unknown keys are errors, and every error names the file, the key path
-(``jobs.exam-scores.every``) and the bad value.
+Both take the same settings (:data:`SETTINGS`, each for the kinds it fits),
+checked as the job itself checks them; only a declared job takes ``target``,
+``sql``/``sql_file`` and ``scope``. Unknown keys are errors, and every error
+names the file, the key path (``jobs.exam-scores.every``) and the bad value.
 
 Modules named in ``plugins`` are imported with the config file's directory
 on ``sys.path`` (for the import only), so a ``jobs.py`` next to
@@ -31,6 +33,7 @@ on ``sys.path`` (for the import only), so a ``jobs.py`` next to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 import zoneinfo
@@ -38,18 +41,32 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .backoff import Backoff
-from .durations import parse_duration
+from .durations import parse_duration, parse_timeout
 from .errors import ConfigError
-from .jobs import Job, Parent, QueueJob, RecomputeJob, TaskJob
+from .jobs import (
+    MAX_ATTEMPTS,
+    MAX_BATCH,
+    Job,
+    Parent,
+    QueueJob,
+    RecomputeJob,
+    TaskJob,
+    check_cron,
+    check_name,
+    check_table,
+    check_text,
+)
 from .locking import DEFAULT_NAMESPACE
 from .results import DiffStats
 from .store import DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
+
+_T = TypeVar("_T")
 
 #: Where ``pgjobs`` looks for its config when none is given.
 ENV_CONFIG = "PGJOBS_CONFIG"
@@ -65,75 +82,101 @@ _TOP_KEYS = (
     "prune_every",
     "jobs",
 )
+_KINDS = ("recompute", "queue", "task")
+_DIFF_KINDS = ("recompute", "queue")
+#: the settings of a job, by the job kinds they apply to: a ``[jobs.NAME]``
+#: table gives them to a job it declares (with ``kind``) or changes them on
+#: a job a plugin registers (without). Callables stay in Python.
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "every": _KINDS,
+    "cron": _KINDS,
+    "group": _KINDS,
+    "backoff": _KINDS,
+    "lock_timeout": _KINDS,
+    "statement_timeout": _KINDS,
+    "busy_retry": _KINDS,
+    "synchronous_commit": _KINDS,
+    "enabled": _KINDS,
+    "description": _KINDS,
+    "key": _DIFF_KINDS,
+    "parents": _DIFF_KINDS,
+    "chunk_parents": ("recompute",),
+    "batch_size": ("queue",),
+    "max_attempts": ("queue",),
+    "item_backoff": ("queue",),
+}
 #: keys that override a registered job's settings (also allowed on declared jobs)
-OVERRIDE_KEYS = (
-    "every",
-    "cron",
-    "group",
-    "backoff",
-    "batch_size",
-    "lock_timeout",
-    "statement_timeout",
-    "busy_retry",
-    "synchronous_commit",
-    "enabled",
-)
-_KIND_KEYS: dict[str, tuple[str, ...]] = {
-    "recompute": ("target", "sql", "sql_file", "key", "parents", "chunk_parents", "description"),
-    "queue": (
-        "target",
-        "sql",
-        "sql_file",
-        "key",
-        "scope",
-        "parents",
-        "max_attempts",
-        "item_backoff",
-        "description",
-    ),
-    "task": ("sql", "sql_file", "description"),
+OVERRIDE_KEYS = tuple(SETTINGS)
+#: what only a job declared in the file gives (a plugin's job has them in Python)
+DECLARE_KEYS: dict[str, tuple[str, ...]] = {
+    "target": _DIFF_KINDS,
+    "sql": _KINDS,
+    "sql_file": _KINDS,
+    "scope": ("queue",),
 }
 _BACKOFF_KEYS = ("initial", "factor", "max", "jitter")
 _PARENT_KEYS = ("table", "columns", "parent_columns")
+
+
+def _kinds(kinds: tuple[str, ...]) -> str:
+    return " and ".join(kinds) if len(kinds) < 3 else "all"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobOverride:
     """What a ``[jobs.NAME]`` table without ``kind`` changes on a registered job.
 
-    ``None`` leaves a setting as the plugin made it.
+    ``None`` leaves a setting as the plugin made it. ``given`` keeps the
+    values as the file wrote them, for error messages.
     """
 
     every: timedelta | None = None
     cron: str | None = None
     group: str | None = None
     backoff: Backoff | None = None
-    batch_size: int | None = None
     lock_timeout: timedelta | None = None
     statement_timeout: timedelta | None = None
+    #: ``timedelta(0)``: no busy retry
     busy_retry: timedelta | None = None
     synchronous_commit: bool | None = None
     enabled: bool | None = None
+    description: str | None = None
+    key: tuple[str, ...] | None = None
+    parents: tuple[Parent, ...] | None = None
+    chunk_parents: int | None = None
+    batch_size: int | None = None
+    max_attempts: int | None = None
+    item_backoff: Backoff | None = None
+    given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.every is not None and self.cron is not None:
             raise ConfigError("every, cron: give one of them, not both")
 
-    def apply(self, job: Job) -> Job:
-        """``job`` with these settings; raises :class:`ConfigError` if they don't fit it."""
-        changes: dict[str, Any] = {
+    def changes(self) -> dict[str, Any]:
+        """The settings this override gives, by name."""
+        return {
             name: getattr(self, name) for name in OVERRIDE_KEYS if getattr(self, name) is not None
         }
+
+    def apply(self, job: Job) -> Job:
+        """``job`` with these settings; raises :class:`ConfigError` naming the
+        setting if one does not fit the job's kind, or the job refuses it."""
+        changes = self.changes()
+        if not changes:
+            return job
+        fields = {f.name for f in dataclasses.fields(job)}
+        for name, value in changes.items():
+            if name not in fields:
+                raise ConfigError(
+                    f"{name}: applies to {_kinds(SETTINGS[name])} jobs; {job.name!r} is a "
+                    f"{job.kind} job, got {self.given.get(name, value)!r}"
+                )
         if self.every is not None:
             changes["cron"] = None
         if self.cron is not None:
             changes["every"] = None
-        if self.batch_size is not None and not isinstance(job, QueueJob):
-            raise ConfigError(
-                f"batch_size: applies to queue jobs; {job.name!r} is a {job.kind} job, "
-                f"got {self.batch_size!r}"
-            )
-        return job.replace(**changes) if changes else job
+        return job.replace(**changes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,11 +205,10 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("namespace", "schema"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ConfigError(
-                    f"{self.source}: {name}: expected a non-empty string, got {value!r}"
-                )
+            try:
+                check_text(getattr(self, name), name)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.source}: {exc}") from None
         try:
             zoneinfo.ZoneInfo(self.timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError) as exc:
@@ -174,6 +216,11 @@ class Config:
                 f"{self.source}: timezone: expected an IANA time zone such as 'UTC' or "
                 f"'Europe/Paris', got {self.timezone!r}"
             ) from exc
+        for name in ("keep_runs", "prune_every"):
+            try:
+                parse_duration(getattr(self, name), field=name)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.source}: {exc}") from None
         if self.prune_every <= timedelta(0):
             raise ConfigError(
                 f"{self.source}: prune_every: must be positive, got {self.prune_every!r}"
@@ -252,6 +299,14 @@ class _Parser:
     def wrap(self, key: str, exc: ConfigError) -> ConfigError:
         return ConfigError(f"{self.source}: {key}: {exc}")
 
+    def model(self, check: Callable[[], _T]) -> _T:
+        """``check()`` (one of the model's checks, given the key path as its
+        field name), its :class:`ConfigError` re-raised naming the file."""
+        try:
+            return check()
+        except ConfigError as exc:
+            raise ConfigError(f"{self.source}: {exc}") from None
+
     # -- scalar readers ------------------------------------------------------
     def check_keys(self, table: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
         for key in table:
@@ -262,10 +317,24 @@ class _Parser:
                     f"got {key!r} = {table[key]!r}"
                 )
 
+    def no_nul(self, value: Any, key: str) -> None:
+        """No string anywhere in the document holds a NUL byte (TOML allows
+        ``\\u0000``; no PostgreSQL name, text or query can hold one)."""
+        if isinstance(value, str) and "\x00" in value:
+            raise self.fail(key, "must not contain a NUL byte", value)
+        if isinstance(value, dict):
+            for name, item in value.items():
+                shown = name.replace("\x00", "\\x00")
+                path = f"{key}.{shown}" if key else shown
+                if "\x00" in name:
+                    raise self.fail(path, "a key must not contain a NUL byte", name)
+                self.no_nul(item, path)
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                self.no_nul(item, f"{key}[{i}]")
+
     def text(self, value: Any, key: str) -> str:
-        if not isinstance(value, str) or not value.strip():
-            raise self.fail(key, "expected a non-empty string", value)
-        return value
+        return self.model(lambda: check_text(value, key))
 
     def names(self, value: Any, key: str) -> tuple[str, ...]:
         items = (value,) if isinstance(value, str) else value
@@ -278,14 +347,11 @@ class _Parser:
         return tuple(items)
 
     def duration(self, value: Any, key: str) -> timedelta:
-        try:
-            return parse_duration(value, field=key)
-        except ConfigError as exc:
-            raise ConfigError(f"{self.source}: {exc}") from None
+        return self.model(lambda: parse_duration(value, field=key))
 
-    def positive_int(self, value: Any, key: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise self.fail(key, "expected a positive integer", value)
+    def count(self, value: Any, key: str, maximum: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= maximum:
+            raise self.fail(key, f"expected a positive integer, at most {maximum:,}", value)
         return value
 
     def boolean(self, value: Any, key: str) -> bool:
@@ -299,7 +365,8 @@ class _Parser:
             fields = dict(value)
             for name in ("initial", "max"):
                 if name in fields:
-                    fields[name] = self.duration(fields[name], f"{key}.{name}")
+                    # checked here to name the key; Backoff gets the value as written
+                    self.duration(fields[name], f"{key}.{name}")
             try:
                 return Backoff(**fields)
             except ConfigError as exc:
@@ -307,15 +374,44 @@ class _Parser:
         return Backoff(initial=self.duration(value, key))
 
     def target(self, value: Any, key: str) -> str:
-        text = self.text(value, key)
-        parts = text.split(".")
-        if len(parts) > 2 or not all(parts):
-            raise self.fail(key, "expected a table name, 'table' or 'schema.table'", value)
-        return text
+        return self.model(lambda: check_table(value, key))
+
+    def setting(self, name: str, value: Any, key: str) -> Any:
+        """One of :data:`SETTINGS`, read and checked as the job would."""
+        if name == "every":
+            every = self.duration(value, key)
+            if every <= timedelta(0):
+                raise self.fail(key, "must be positive", value)
+            return every
+        if name == "busy_retry":
+            return self.duration(value, key)
+        if name in ("lock_timeout", "statement_timeout"):
+            return self.model(lambda: parse_timeout(value, field=key))
+        if name == "cron":
+            return self.model(lambda: check_cron(value, key))
+        if name == "group":
+            return self.model(lambda: check_name(value, key))
+        if name == "description":
+            if not isinstance(value, str):
+                raise self.fail(key, "expected text", value)
+            return value
+        if name in ("backoff", "item_backoff"):
+            return self.backoff(value, key)
+        if name in ("enabled", "synchronous_commit"):
+            return self.boolean(value, key)
+        if name == "key":
+            return self.names(value, key)
+        if name == "parents":
+            return self.parents(value, key)
+        if name in ("batch_size", "chunk_parents"):
+            return self.count(value, key, MAX_BATCH)
+        assert name == "max_attempts", name
+        return self.count(value, key, MAX_ATTEMPTS)
 
     # -- the document --------------------------------------------------------
     def config(self, data: Mapping[str, Any]) -> Config:
         self.check_keys(data, _TOP_KEYS, "")
+        self.no_nul(dict(data), "")
         fields: dict[str, Any] = {"path": self.path}
         if "database" in data:
             url = self.text(data["database"], "database")
@@ -345,93 +441,67 @@ class _Parser:
             if "kind" in table:
                 declared.append(self.job(name, table, where))
             else:
-                overrides[name] = self.override(table, where, allowed=OVERRIDE_KEYS)
+                overrides[name] = self.override(table, where)
         fields["jobs"] = tuple(declared)
         fields["overrides"] = overrides
         return Config(**fields)
 
-    def override(
-        self, table: Mapping[str, Any], where: str, *, allowed: tuple[str, ...]
-    ) -> JobOverride:
+    def override(self, table: Mapping[str, Any], where: str) -> JobOverride:
         if not table:
             raise self.fail(
                 where, "expected settings to override, or kind = ... to declare a job", {}
             )
-        self.check_keys(table, allowed, where)
-        fields: dict[str, Any] = {}
         for name, value in table.items():
-            key = f"{where}.{name}"
-            if name in ("every", "lock_timeout", "statement_timeout", "busy_retry"):
-                fields[name] = self.duration(value, key)
-                if name == "every" and fields[name] <= timedelta(0):
-                    raise self.fail(key, "must be positive", value)
-            elif name in ("cron", "group"):
-                fields[name] = self.text(value, key)
-            elif name == "backoff":
-                fields[name] = self.backoff(value, key)
-            elif name == "batch_size":
-                fields[name] = self.positive_int(value, key)
-            elif name in ("enabled", "synchronous_commit"):
-                fields[name] = self.boolean(value, key)
+            if name in DECLARE_KEYS:
+                raise self.fail(
+                    f"{where}.{name}",
+                    f"only a job declared here (with kind = ...) takes {name}; "
+                    "a plugin's job brings its own",
+                    value,
+                )
+        self.check_keys(table, OVERRIDE_KEYS, where)
+        fields: dict[str, Any] = {
+            name: self.setting(name, value, f"{where}.{name}") for name, value in table.items()
+        }
         try:
-            return JobOverride(**fields)
+            return JobOverride(**fields, given=dict(table))
         except ConfigError as exc:
             raise self.wrap(where, exc) from None
 
     def job(self, name: str, table: Mapping[str, Any], where: str) -> Job:
         kind = table["kind"]
-        if kind not in _KIND_KEYS:
-            raise self.fail(f"{where}.kind", f"expected one of {', '.join(_KIND_KEYS)}", kind)
-        allowed = ("kind", *_KIND_KEYS[kind], *OVERRIDE_KEYS)
-        self.check_keys(table, allowed, where)
-        if kind != "queue" and "batch_size" in table:
-            raise self.fail(
-                f"{where}.batch_size",
-                f"applies to queue jobs, not {kind} jobs",
-                table["batch_size"],
-            )
+        if kind not in _KINDS:
+            raise self.fail(f"{where}.kind", f"expected one of {', '.join(_KINDS)}", kind)
+        known = {**DECLARE_KEYS, **SETTINGS}
+        self.check_keys(table, ("kind", *known), where)
+        for key, value in table.items():
+            if key != "kind" and kind not in known[key]:
+                raise self.fail(
+                    f"{where}.{key}",
+                    f"applies to {_kinds(known[key])} jobs, not {kind} jobs",
+                    value,
+                )
         query = self.query(table, where)
         fields: dict[str, Any] = {"name": name}
-        if kind in ("recompute", "queue"):
+        if kind in _DIFF_KINDS:
             if "target" not in table:
                 raise self.fail(f"{where}.target", "required: the table this job writes", None)
             fields["target"] = self.target(table["target"], f"{where}.target")
             fields["compute"] = query
-            if "key" in table:
-                fields["key"] = self.names(table["key"], f"{where}.key")
-            if "parents" in table:
-                fields["parents"] = self.parents(table["parents"], f"{where}.parents")
-        if kind == "recompute" and "chunk_parents" in table:
-            fields["chunk_parents"] = self.positive_int(
-                table["chunk_parents"], f"{where}.chunk_parents"
-            )
         if kind == "queue":
             if "scope" not in table:
                 raise self.fail(
                     f"{where}.scope", "required: the column(s) that tie an item to its rows", None
                 )
             fields["scope"] = self.names(table["scope"], f"{where}.scope")
-            if "max_attempts" in table:
-                fields["max_attempts"] = self.positive_int(
-                    table["max_attempts"], f"{where}.max_attempts"
-                )
-            if "item_backoff" in table:
-                fields["item_backoff"] = self.backoff(
-                    table["item_backoff"], f"{where}.item_backoff"
-                )
         if kind == "task":
             fields["run"] = sql_task(query)
-        if "description" in table:
-            fields["description"] = self.text(table["description"], f"{where}.description")
-        settings = {k: v for k, v in table.items() if k in OVERRIDE_KEYS}
-        override = (
-            self.override(settings, where, allowed=OVERRIDE_KEYS) if settings else JobOverride()
-        )
-        for setting in OVERRIDE_KEYS:
-            value = getattr(override, setting)
-            if value is not None:
-                fields[setting] = value
-        if override.cron is not None:
+        for setting, value in table.items():
+            if setting in SETTINGS:
+                fields[setting] = self.setting(setting, value, f"{where}.{setting}")
+        if "every" in fields and "cron" in fields:
+            raise self.fail(f"{where}.cron", "give every or cron, not both", table["cron"])
+        if "cron" in fields:
             fields["every"] = None
         cls: type[Job] = {"recompute": RecomputeJob, "queue": QueueJob, "task": TaskJob}[kind]
         try:
@@ -462,6 +532,8 @@ class _Parser:
             ) from exc
         if not text.strip():
             raise self.fail(key, f"{str(file)!r} is empty", name)
+        if "\x00" in text:
+            raise self.fail(key, f"{str(file)!r} contains a NUL byte", name)
         return text
 
     def parents(self, value: Any, key: str) -> tuple[Parent, ...]:

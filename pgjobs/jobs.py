@@ -28,7 +28,7 @@ from psycopg import sql
 
 from ._pg import Later, later
 from .backoff import Backoff
-from .durations import Duration, format_duration, parse_duration
+from .durations import Duration, format_duration, parse_duration, parse_timeout
 from .errors import ConfigError
 from .results import DiffStats, Execution
 
@@ -100,6 +100,131 @@ class Body(Protocol):
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
 
+#: the largest ``batch_size`` and ``chunk_parents``: a queue batch is one
+#: transaction holding its items' entries and their parents' key-share locks
+#: until it commits, and its keys travel as one array; a chunk bounds how long
+#: a user's delete may wait. Past this, a batch is a recompute in disguise.
+MAX_BATCH = 100_000
+#: the largest ``max_attempts``: an item that failed this often is parked
+MAX_ATTEMPTS = 1_000
+
+
+def check_text(value: object, field: str, *, what: str = "a non-empty string") -> str:
+    """``value`` if it is a non-empty string without a NUL byte (which no
+    PostgreSQL text, name or query can hold), else :class:`ConfigError`
+    naming ``field`` and the value."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{field}: expected {what}, got {value!r}")
+    if "\x00" in value:
+        raise ConfigError(f"{field}: must not contain a NUL byte, got {value!r}")
+    return value
+
+
+def check_name(value: object, field: str) -> str:
+    """A job name or group: letters, digits, ``_``, ``-``, ``.``, ``:``."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ConfigError(f"{field}: expected letters, digits, '_', '-', '.', ':', got {value!r}")
+    return value
+
+
+def check_table(value: object, field: str) -> str:
+    """``"table"`` or ``"schema.table"``."""
+    text = check_text(value, field, what="a table name")
+    parts = text.split(".")
+    if len(parts) > 2 or not all(p.strip() for p in parts):
+        raise ConfigError(
+            f"{field}: expected a table name, 'table' or 'schema.table', got {value!r}"
+        )
+    return text
+
+
+def check_count(value: object, field: str, maximum: int) -> int:
+    """An integer from 1 to ``maximum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= maximum:
+        raise ConfigError(
+            f"{field}: expected a positive integer, at most {maximum:,}, got {value!r}"
+        )
+    return value
+
+
+# -- cron --------------------------------------------------------------------------
+# The crontab grammar APScheduler 3's CronTrigger.from_crontab accepts, checked
+# here so that a job refuses a bad expression on construction (this module
+# does not import APScheduler; the scheduler parses the expression again).
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+#: (field, lowest, highest, names of the values from ``lowest`` on)
+_CRON_FIELDS: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day", 1, 31, ()),
+    ("month", 1, 12, _MONTHS),
+    ("day_of_week", 0, 6, _WEEKDAYS),
+)
+_CRON_ITEM = re.compile(r"(\*|(\d+)(?:-(\d+))?)(?:/(\d+))?")
+_CRON_NAMES = re.compile(r"([a-z]+)(?:-([a-z]+))?")
+_MONTH_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
+def _cron_field(text: str, name: str, low: int, high: int, names: tuple[str, ...]) -> set[int]:
+    """The values ``text`` selects in one crontab field; ValueError saying why not."""
+    values: set[int] = set()
+    for item in text.split(","):
+        match = _CRON_ITEM.fullmatch(item)
+        if match:
+            star, first, last, step = match.groups()
+            start = low if star == "*" else int(first)
+            end = high if star == "*" or (last is None and step is not None) else int(last or first)
+            if not low <= start <= high or not low <= end <= high:
+                raise ValueError(f"{name}: {item!r} is outside {low}-{high}")
+            if start > end:
+                raise ValueError(f"{name}: {item!r} is a range from high to low")
+            if step is not None and not 1 <= int(step) <= end - start:
+                raise ValueError(
+                    f"{name}: {item!r}: a step must be from 1 to the width of its range "
+                    f"({end - start})"
+                )
+            values.update(range(start, end + 1, int(step or 1)))
+            continue
+        match = _CRON_NAMES.fullmatch(item.lower())
+        if match and names and all(n is None or n in names for n in match.groups()):
+            first, last = match.groups()
+            start = names.index(first) + low
+            end = names.index(last) + low if last else start
+            if start > end:
+                raise ValueError(f"{name}: {item!r} is a range from high to low")
+            values.update(range(start, end + 1))
+            continue
+        if name == "day" and item.lower() == "last":
+            values.add(28)  # every month has one
+            continue
+        known = f", or names ({', '.join(names)})" if names else ""
+        extra = ", or last" if name == "day" else ""
+        raise ValueError(f"{name}: {item!r} is not *, N, N-M or a step (*/N, N-M/S){known}{extra}")
+    return values
+
+
+def check_cron(value: object, field: str) -> str:
+    """A crontab expression: minute, hour, day of month, month, day of week
+    (APScheduler 3's numbering: 0 is Monday; names ``mon``-``sun`` are clearer).
+    :class:`ConfigError` naming ``field``, the fault and the value otherwise."""
+    text = check_text(value, field, what="a crontab expression such as '*/5 * * * *'")
+    parts = text.split()
+    if len(parts) != 5:
+        raise ConfigError(
+            f"{field}: expected 5 crontab fields (minute hour day month day_of_week), got {value!r}"
+        )
+    try:
+        selected = [_cron_field(p, *spec) for p, spec in zip(parts, _CRON_FIELDS, strict=True)]
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {exc}, got {value!r}") from None
+    days, months = selected[2], selected[3]
+    if parts[2] != "*" and not any(min(days) <= _MONTH_DAYS[m - 1] for m in months):
+        raise ConfigError(
+            f"{field}: no month it names has the day it names: it never fires, got {value!r}"
+        )
+    return text
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Parent:
@@ -114,6 +239,7 @@ class Parent:
     parent_columns: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        check_table(self.table, "parents.table")
         object.__setattr__(self, "columns", _names(self.columns, "parents.columns"))
         object.__setattr__(
             self, "parent_columns", _names(self.parent_columns, "parents.parent_columns")
@@ -130,10 +256,25 @@ def _names(value: str | Sequence[str] | None, field: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = (value,)
+    if not isinstance(value, Sequence):
+        raise ConfigError(f"{field}: expected column names, got {value!r}")
     out = tuple(value)
     if not all(isinstance(v, str) and v for v in out):
         raise ConfigError(f"{field}: expected column names, got {value!r}")
+    if any("\x00" in v for v in out):
+        raise ConfigError(f"{field}: a column name must not contain a NUL byte, got {value!r}")
     return out
+
+
+def _check_compute(compute: object, where: str) -> None:
+    if callable(compute):
+        return
+    if not isinstance(compute, str) or not compute.strip():
+        raise ConfigError(f"{where}: compute: expected a callable or SQL text, got {compute!r}")
+    if "\x00" in compute:
+        raise ConfigError(
+            f"{where}: compute: SQL text must not contain a NUL byte, got {compute!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,13 +311,14 @@ class Job:
 
     def __post_init__(self) -> None:
         where = f"{type(self).__name__} {self.name!r}"
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"{type(self).__name__}.name: expected letters, digits, '_', '-', '.', ':', got "
-                f"{self.name!r}"
-            )
+        check_name(self.name, f"{type(self).__name__}.name")
         group = self.group if self.group is not None else self._default_group()
         if not isinstance(group, str) or not _NAME.fullmatch(group):
+            if self.group is None:
+                raise ConfigError(
+                    f"{where}: group: defaults to the target, {group!r}, which is not a lock "
+                    "group name (letters, digits, '_', '-', '.', ':'): give a group"
+                )
             raise ConfigError(f"{where}: group: expected a name, got {self.group!r}")
         object.__setattr__(self, "group", group)
         if self.every is None and self.cron is None:
@@ -188,23 +330,25 @@ class Job:
             if every <= timedelta(0):
                 raise ConfigError(f"{where}: every: must be positive, got {self.every!r}")
             object.__setattr__(self, "every", every)
-        if self.cron is not None and (
-            not isinstance(self.cron, str) or len(self.cron.split()) != 5
-        ):
-            raise ConfigError(f"{where}: cron: expected 5 crontab fields, got {self.cron!r}")
+        if self.cron is not None:
+            object.__setattr__(self, "cron", check_cron(self.cron, f"{where}: cron"))
         object.__setattr__(self, "backoff", Backoff.coerce(self.backoff, field=f"{where}: backoff"))
         for name in ("lock_timeout", "statement_timeout"):
             object.__setattr__(
-                self, name, parse_duration(getattr(self, name), field=f"{where}: {name}")
+                self, name, parse_timeout(getattr(self, name), field=f"{where}: {name}")
             )
         if self.busy_retry is not None:
-            object.__setattr__(
-                self, "busy_retry", parse_duration(self.busy_retry, field=f"{where}: busy_retry")
-            )
-        if not isinstance(self.synchronous_commit, bool):
+            retry = parse_duration(self.busy_retry, field=f"{where}: busy_retry")
+            # 0 is "no retry", not "retry at once": that would spin on a busy lock
+            object.__setattr__(self, "busy_retry", retry or None)
+        for name in ("synchronous_commit", "enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"{where}: {name}: expected true or false, got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.description, str) or "\x00" in self.description:
             raise ConfigError(
-                f"{where}: synchronous_commit: expected true or false, got "
-                f"{self.synchronous_commit!r}"
+                f"{where}: description: expected text without NUL bytes, got {self.description!r}"
             )
         if self.has_work is not None and not callable(self.has_work):
             raise ConfigError(f"{where}: has_work: expected a callable, got {self.has_work!r}")
@@ -296,12 +440,13 @@ class _DiffJob(Job):
     synchronous_commit: bool = False
 
     def __post_init__(self) -> None:
-        Job.__post_init__(self)
         where = f"{type(self).__name__} {self.name!r}"
-        if not isinstance(self.target, str) or not self.target:
-            raise ConfigError(f"{where}: target: expected a table name, got {self.target!r}")
+        check_table(self.target, f"{where}: target")  # before the group it defaults
+        Job.__post_init__(self)
         if self.key is not None:
             object.__setattr__(self, "key", _names(self.key, f"{where}: key"))
+            if not self.key:
+                raise ConfigError(f"{where}: key: expected column names, got {self.key!r}")
         parents = tuple(self.parents or ())
         if not all(isinstance(p, Parent) for p in parents):
             raise ConfigError(
@@ -335,16 +480,9 @@ class RecomputeJob(_DiffJob):
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
         where = f"RecomputeJob {self.name!r}"
-        if not (callable(self.compute) or (isinstance(self.compute, str) and self.compute.strip())):
-            raise ConfigError(
-                f"{where}: compute: expected a callable or SQL text, got {self.compute!r}"
-            )
-        if self.chunk_parents is not None and (
-            not isinstance(self.chunk_parents, int) or self.chunk_parents < 1
-        ):
-            raise ConfigError(
-                f"{where}: chunk_parents: expected a positive integer, got {self.chunk_parents!r}"
-            )
+        _check_compute(self.compute, where)
+        if self.chunk_parents is not None:
+            check_count(self.chunk_parents, f"{where}: chunk_parents", MAX_BATCH)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -400,16 +538,11 @@ class QueueJob(_DiffJob):
         object.__setattr__(self, "scope", _names(self.scope, f"{where}: scope"))
         if not self.scope:
             raise ConfigError(f"{where}: scope: name the column(s) that tie an item to its rows")
-        if not (callable(self.compute) or (isinstance(self.compute, str) and self.compute.strip())):
-            raise ConfigError(
-                f"{where}: compute: expected a callable or SQL text, got {self.compute!r}"
-            )
+        _check_compute(self.compute, where)
         if self.after is not None and not callable(self.after):
             raise ConfigError(f"{where}: after: expected a callable, got {self.after!r}")
-        for name in ("batch_size", "max_attempts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{where}: {name}: expected a positive integer, got {value!r}")
+        check_count(self.batch_size, f"{where}: batch_size", MAX_BATCH)
+        check_count(self.max_attempts, f"{where}: max_attempts", MAX_ATTEMPTS)
         object.__setattr__(
             self, "item_backoff", Backoff.coerce(self.item_backoff, field=f"{where}: item_backoff")
         )

@@ -139,8 +139,11 @@ class Runner:
         clock: Clock = utcnow,
         worker: str | None = None,
     ) -> None:
-        if not isinstance(namespace, str) or not namespace:
-            raise ConfigError(f"namespace: expected a non-empty string, got {namespace!r}")
+        for name, value in (("namespace", namespace), ("schema", schema)):
+            if not isinstance(value, str) or not value or "\x00" in value:
+                raise ConfigError(
+                    f"{name}: expected a non-empty string without NUL bytes, got {value!r}"
+                )
         self.engine, self._owned = resolve_engine(database)
         self.namespace = namespace
         self.store = Store(schema)

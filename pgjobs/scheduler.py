@@ -116,7 +116,10 @@ class Scheduler:
                         job.cron, timezone=self.timezone
                     )
                 except ValueError as exc:
-                    raise ConfigError(f"job {job.name!r}: cron: {exc}, got {job.cron!r}") from exc
+                    # The job checked the expression's syntax; what APScheduler
+                    # still refuses is named by the job's config key (or plugin).
+                    where = self.registry.entry(job.name).key("cron")
+                    raise ConfigError(f"{where}: {exc}, got {job.cron!r}") from exc
             else:
                 assert job.interval is not None
                 self._triggers[job.name] = IntervalTrigger(

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import pgjobs
-from pgjobs.config import Config, JobOverride, find_config, load_config, parse_config
+from pgjobs.config import (
+    OVERRIDE_KEYS,
+    SETTINGS,
+    Config,
+    JobOverride,
+    find_config,
+    load_config,
+    parse_config,
+)
+from pgjobs.registry import Registry
 
 
 def write(tmp_path: Path, text: str, name: str = "pgjobs.toml") -> Path:
@@ -193,7 +205,7 @@ BAD = [
     ),
     (
         "[jobs.s]\nkind = 'recompute'\ntarget = 't'\nsql = 'select 1'\nscope = 'id'",
-        ["jobs.s.scope: unknown key"],
+        ["jobs.s.scope: applies to queue jobs, not recompute jobs", "'id'"],
     ),
     (
         "[jobs.s]\nkind = 'recompute'\ntarget = 't'\nsql = 'select 1'\nbatch_size = 5",
@@ -206,7 +218,7 @@ BAD = [
     ),
     (
         "[jobs.s]\nkind = 'recompute'\ntarget = 't'\nsql = 'select 1'\ncron = '* *'",
-        ["jobs.s: RecomputeJob 's': cron: expected 5 crontab fields", "'* *'"],
+        ["jobs.s.cron: expected 5 crontab fields", "'* *'"],
     ),
     (
         "[jobs.'bad name']\nkind = 'task'\nsql = 'select 1'",
@@ -255,3 +267,140 @@ def test_parse_config_takes_an_already_parsed_document() -> None:
     assert config.namespace == "x" and [j.name for j in config.jobs] == ["a"]
     with pytest.raises(pgjobs.ConfigError, match=r"^<config>: jobs.a.kind"):
         parse_config({"jobs": {"a": {"kind": "nope"}}})
+
+
+# -- every setting, on a plugin's job and on a declared one ---------------------------------
+class _Plugin:
+    """Registers one job of each kind, each setting unlike the overrides below."""
+
+    @pgjobs.hookimpl
+    def pgjobs_register_jobs(self, register: Any) -> None:
+        register(
+            pgjobs.RecomputeJob(
+                name="p-recompute", target="r_target", compute="select 1", synchronous_commit=True
+            )
+        )
+        register(
+            pgjobs.QueueJob(
+                name="p-queue",
+                target="q_target",
+                scope="id",
+                compute="select 1",
+                synchronous_commit=True,
+            )
+        )
+        register(pgjobs.TaskJob(name="p-task", run=lambda conn: None))
+
+
+def _registry(path: Path | None) -> Registry:
+    config = load_config(path) if path is not None else Config()
+    return Registry.load(config, plugins=[_Plugin()], entry_points=False)
+
+
+#: (setting, its TOML value, the job's attribute, what the job then holds)
+OVERRIDES: list[tuple[str, str, str, Any]] = [
+    ("every", '"5m"', "interval", timedelta(minutes=5)),
+    ("cron", '"*/5 * * * mon-fri"', "cron", "*/5 * * * mon-fri"),
+    ("group", '"g"', "group", "g"),
+    (
+        "backoff",
+        '{ initial = "10m", factor = 2, max = "4h", jitter = 0.1 }',
+        "backoff",
+        pgjobs.Backoff(initial="10m", factor=2, max="4h", jitter=0.1),
+    ),
+    ("lock_timeout", '"2s"', "lock_timeout", timedelta(seconds=2)),
+    ("statement_timeout", '"10m"', "statement_timeout", timedelta(minutes=10)),
+    ("busy_retry", '"1s"', "busy_retry", timedelta(seconds=1)),
+    ("synchronous_commit", "false", "synchronous_commit", False),
+    ("enabled", "false", "enabled", False),
+    ("description", '"nightly totals"', "description", "nightly totals"),
+    ("key", '["id", "day"]', "key", ("id", "day")),
+    (
+        "parents",
+        '[{ table = "s.p", columns = ["id"], parent_columns = ["pid"] }]',
+        "parents",
+        (pgjobs.Parent(table="s.p", columns=("id",), parent_columns=("pid",)),),
+    ),
+    ("chunk_parents", "500", "chunk_parents", 500),
+    ("batch_size", "7", "batch_size", 7),
+    ("max_attempts", "9", "max_attempts", 9),
+    ("item_backoff", '"2m"', "item_backoff", pgjobs.Backoff(initial="2m")),
+]
+_DECLARE = {
+    "recompute": "kind = 'recompute'\ntarget = 'd_target'\nsql = 'select 1'\n",
+    "queue": "kind = 'queue'\ntarget = 'd_target'\nscope = 'id'\nsql = 'select 1'\n",
+    "task": "kind = 'task'\nsql = 'select 1'\n",
+}
+
+
+def test_the_override_table_covers_every_setting() -> None:
+    assert [o[0] for o in OVERRIDES] == list(OVERRIDE_KEYS) == list(SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "attr", "expected"), OVERRIDES, ids=[o[0] for o in OVERRIDES]
+)
+def test_every_setting_overrides_a_plugins_job_of_the_kinds_it_fits(
+    tmp_path: Path, key: str, value: str, attr: str, expected: Any
+) -> None:
+    original = _registry(None)
+    for kind in ("recompute", "queue", "task"):
+        path = write(tmp_path, f"[jobs.p-{kind}]\n{key} = {value}\n")
+        if kind in SETTINGS[key]:
+            job = _registry(path).get(f"p-{kind}")
+            assert getattr(original.get(f"p-{kind}"), attr) != expected  # it did change
+            assert getattr(job, attr) == expected, kind
+        else:
+            with pytest.raises(pgjobs.ConfigError) as info:
+                _registry(path)
+            message = str(info.value)
+            assert message.startswith(f"{path}: jobs.p-{kind}: {key}: applies to "), message
+            assert f"'p-{kind}' is a {kind} job, got {tomllib.loads(f'v = {value}')['v']!r}" in (
+                message
+            )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "attr", "expected"), OVERRIDES, ids=[o[0] for o in OVERRIDES]
+)
+def test_a_declared_job_takes_the_same_settings(
+    tmp_path: Path, key: str, value: str, attr: str, expected: Any
+) -> None:
+    for kind, head in _DECLARE.items():
+        path = write(tmp_path, f"[jobs.d]\n{head}{key} = {value}\n")
+        if kind in SETTINGS[key]:
+            (job,) = load_config(path).jobs
+            assert getattr(job, attr) == expected, kind
+        else:
+            with pytest.raises(
+                pgjobs.ConfigError,
+                match=re.escape(f"{path}: jobs.d.{key}: applies to ")
+                + f".* jobs, not {kind} jobs, got ",
+            ):
+                load_config(path)
+
+
+def test_an_override_of_busy_retry_0_turns_the_retry_off(tmp_path: Path) -> None:
+    path = write(tmp_path, "[jobs.p-task]\nbusy_retry = 0\n")
+    assert _registry(path).get("p-task").busy_retry is None
+
+
+def test_an_override_of_a_plugin_jobs_own_parts_is_refused(tmp_path: Path) -> None:
+    for key, value in (("target", "'x'"), ("sql", "'select 1'"), ("scope", "'id'")):
+        path = write(tmp_path, f"[jobs.p-queue]\n{key} = {value}\n")
+        with pytest.raises(
+            pgjobs.ConfigError,
+            match=re.escape(f"{path}: jobs.p-queue.{key}: only a job declared here"),
+        ):
+            load_config(path)
+
+
+def test_an_overrides_values_are_checked_when_the_file_is_read(tmp_path: Path) -> None:
+    # Before any plugin is loaded: the same checks as the job's constructor.
+    path = write(tmp_path, "[jobs.p-queue]\nitem_backoff = { initial = '1h', max = '10m' }\n")
+    with pytest.raises(pgjobs.ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"{path}: jobs.p-queue.item_backoff: backoff.max: must not be shorter than "
+        "backoff.initial (1h), got '10m'"
+    )
