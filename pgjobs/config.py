@@ -49,6 +49,7 @@ from .errors import ConfigError
 from .jobs import (
     MAX_ATTEMPTS,
     MAX_BATCH,
+    MAX_CHUNK_ROWS,
     Job,
     Parent,
     QueueJob,
@@ -101,6 +102,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "key": _DIFF_KINDS,
     "parents": _DIFF_KINDS,
     "chunk_parents": ("recompute",),
+    "chunk_rows": ("recompute",),
+    "atomic": ("recompute",),
     "batch_size": ("queue",),
     "max_attempts": ("queue",),
     "item_backoff": ("queue",),
@@ -144,6 +147,8 @@ class JobOverride:
     key: tuple[str, ...] | None = None
     parents: tuple[Parent, ...] | None = None
     chunk_parents: int | None = None
+    chunk_rows: int | None = None
+    atomic: bool | None = None
     batch_size: int | None = None
     max_attempts: int | None = None
     item_backoff: Backoff | None = None
@@ -397,7 +402,7 @@ class _Parser:
             return value
         if name in ("backoff", "item_backoff"):
             return self.backoff(value, key)
-        if name in ("enabled", "synchronous_commit"):
+        if name in ("enabled", "synchronous_commit", "atomic"):
             return self.boolean(value, key)
         if name == "key":
             return self.names(value, key)
@@ -405,6 +410,8 @@ class _Parser:
             return self.parents(value, key)
         if name in ("batch_size", "chunk_parents"):
             return self.count(value, key, MAX_BATCH)
+        if name == "chunk_rows":
+            return self.count(value, key, MAX_CHUNK_ROWS)
         assert name == "max_attempts", name
         return self.count(value, key, MAX_ATTEMPTS)
 

@@ -322,6 +322,8 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
         (pgjobs.Parent(table="s.p", columns=("id",), parent_columns=("pid",)),),
     ),
     ("chunk_parents", "500", "chunk_parents", 500),
+    ("chunk_rows", "2500", "chunk_rows", 2500),
+    ("atomic", "true", "atomic", True),
     ("batch_size", "7", "batch_size", 7),
     ("max_attempts", "9", "max_attempts", 9),
     ("item_backoff", '"2m"', "item_backoff", pgjobs.Backoff(initial="2m")),

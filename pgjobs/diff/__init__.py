@@ -35,7 +35,7 @@ from ..results import DiffStats
 from ..staging import Staged
 from ..target import Target
 from . import plan as planning
-from .difference import build_difference
+from .difference import Chunks, build_difference
 from .parents import create_parent_tables, index_bad, lock_parents
 from .plan import Plan, Scope, keyed_plans, run
 from .rows import write_rows
@@ -121,8 +121,11 @@ class DiffWriter:
     :mod:`pgjobs.recompute`) makes no user wait on more than one chunk. The
     trade-off is atomicity: readers see the table partly rewritten, and a
     failure keeps the chunks already committed (the next run writes the
-    rest). ``staged`` must then survive commits (``stage(..., preserve=True)``).
-    Without it, :attr:`chunks` is one pass over the whole difference.
+    rest). ``chunk_rows``: chunks of whole parents with about that many rows
+    of the difference each, and one pass when the whole difference has no
+    more. Either way ``staged`` must survive commits (``stage(...,
+    preserve=True)``). Without either, :attr:`chunks` is one pass over the
+    whole difference.
     """
 
     def __init__(
@@ -133,24 +136,27 @@ class DiffWriter:
         *,
         scope: Scope | None = None,
         chunk_parents: int | None = None,
+        chunk_rows: int | None = None,
         progress: Progress | None = None,
         wait_busy: bool = True,
     ) -> None:
-        _check_chunking(target, staged, scope, chunk_parents)
+        chunking = _chunking(target, staged, scope, chunk_parents, chunk_rows)
         self.started = time.perf_counter()
         self.conn = conn
         self.progress = progress
         self.wait_busy = wait_busy
-        self.plan = Plan(target, staged, scope, preserve=chunk_parents is not None)
+        self.plan = Plan(target, staged, scope, preserve=chunking is not None)
         self.totals = _Totals()
         self._report("diff")
-        self.counts, self.target_rows = build_difference(conn, self.plan, chunk_parents)
+        self.counts, self.target_rows = build_difference(conn, self.plan, chunking)
         create_parent_tables(conn, self.plan)
         #: rows of the difference by op ("i", "u", "d"), per chunk
         self.per_chunk: dict[int | None, dict[str, int]] = {None: self.counts}
         #: the chunks to write, in order (``[None]``: the whole difference at once)
         self.chunks: list[int | None] = [None]
-        if chunk_parents:
+        if chunking is not None and not (
+            chunking.by_rows and sum(self.counts.values()) <= chunking.size
+        ):
             self.per_chunk = _chunk_counts(conn, self.plan)
             # parent-ordered chunks first, then the rows without a chunk parent
             self.chunks = sorted(self.per_chunk, key=lambda c: (c is None or c < 0, abs(c or 0)))
@@ -245,22 +251,30 @@ class DiffWriter:
         )
 
 
-def _check_chunking(
-    target: Target, staged: Staged, scope: Scope | None, chunk_parents: int | None
-) -> None:
-    if chunk_parents is None:
-        return
-    if not isinstance(chunk_parents, int) or isinstance(chunk_parents, bool) or chunk_parents < 1:
-        raise ConfigError(f"chunk_parents: expected a positive integer, got {chunk_parents!r}")
+def _chunking(
+    target: Target,
+    staged: Staged,
+    scope: Scope | None,
+    chunk_parents: int | None,
+    chunk_rows: int | None,
+) -> Chunks | None:
+    if chunk_parents is None and chunk_rows is None:
+        return None
+    if chunk_parents is not None and chunk_rows is not None:
+        raise ConfigError("chunk_parents, chunk_rows: give one of them, not both")
+    name, size = ("chunk_parents", chunk_parents) if chunk_parents else ("chunk_rows", chunk_rows)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"{name}: expected a positive integer, got {size!r}")
     if not staged.preserve:
-        raise ConfigError("chunk_parents: stage the rows with preserve=True to write in chunks")
+        raise ConfigError(f"{name}: stage the rows with preserve=True to write in chunks")
     if target.self_reference is not None:
         raise ConfigError(
             f"target {target.label}: chunked writes are not supported on a table that "
             f"references itself (a chunk could point at rows of a later one)"
         )
     if scope is not None:
-        raise ConfigError("chunk_parents: a scoped diff is written in one transaction")
+        raise ConfigError(f"{name}: a scoped diff is written in one transaction")
+    return Chunks(size, by_rows=chunk_rows is not None)
 
 
 def _chunk_counts(conn: Connection, plan: Plan) -> dict[int | None, dict[str, int]]:

@@ -9,6 +9,7 @@ writer"). Chunked writes number each row's chunk here, in parent-key order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
@@ -35,11 +36,21 @@ from .plan import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Chunks:
+    """How the difference is cut into chunks: ``size`` parents a chunk, or
+    (``by_rows``) parents summing to about ``size`` rows of the difference."""
+
+    size: int
+    by_rows: bool = False
+
+
 def build_difference(
-    conn: Connection, plan: Plan, chunk_parents: int | None
+    conn: Connection, plan: Plan, chunks: Chunks | None
 ) -> tuple[dict[str, int], float]:
     """Fill the difference table (and, for session tables, create the
-    parent sets); returns its rows by op and the target's estimated size."""
+    parent sets), with each row's chunk number when ``chunks``; returns its
+    rows by op and the target's estimated size."""
     target_side, outside = _target_side(plan)
     body: sql.Composable = _difference_sql(plan, target_side)
     # Statistics for what later plans filter and join on: op, key, parent
@@ -49,11 +60,11 @@ def build_difference(
     analyzed += list(plan.old.values())
     if plan.session:
         return _session_difference(conn, plan, body, outside, analyzed)
-    if chunk_parents:
-        body = _with_chunks(plan, body, chunk_parents)
+    if chunks:
+        body = _with_chunks(plan, body, chunks)
         analyzed.append("chunk")
     create_temp(conn, plan, plan.difference, body)
-    if chunk_parents:
+    if chunks:
         run(conn, sql.SQL("create index on {} (chunk)").format(plan.difference))
     if plan.self_ref is not None:
         run(
@@ -211,15 +222,17 @@ def _chunk_parent(plan: Plan) -> ParentRef | None:
     return plan.parents[0] if plan.parents else None
 
 
-def _with_chunks(plan: Plan, body: sql.Composable, chunk_parents: int) -> sql.Composable:
+def _with_chunks(plan: Plan, body: sql.Composable, chunks: Chunks) -> sql.Composable:
     # Each row gets a chunk number: (rank of its chunk parent) / N, the rank
-    # taken over the distinct parents (a small sort, not one of every row).
-    # A row's chunk parent is the new one (inserts, updates) or the old one
-    # (deletes). Rows with no such parent are chunked N at a time by key,
-    # with negative numbers, after the others. (This CTE is only the body of
-    # CREATE TABLE AS; the table is analyzed before anything plans on it.)
+    # taken over the distinct parents (a small sort, not one of every row);
+    # by rows, (rows of the parents before it) / N, so that a chunk holds
+    # whole parents and about N rows. A row's chunk parent is the new one
+    # (inserts, updates) or the old one (deletes). Rows with no such parent
+    # are chunked N at a time by key, with negative numbers, after the
+    # others. (This CTE is only the body of CREATE TABLE AS; the table is
+    # analyzed before anything plans on it.)
     key_in_difference = plan.difference_key
-    n = sql.Literal(chunk_parents)
+    n = sql.Literal(chunks.size)
     parent = _chunk_parent(plan)
     if parent is None:
         return sql.SQL(
@@ -235,10 +248,21 @@ def _with_chunks(plan: Plan, body: sql.Composable, chunk_parents: int) -> sql.Co
     d_cols = sql.SQL(", ").join(
         sql.Identifier("y", c) for c in ["op", *plan.new.values(), *plan.old.values()]
     )
+    numbered = (
+        sql.SQL(
+            "m as (select {p}, coalesce(sum(q.n_rows) over (order by {p} rows between"
+            " unbounded preceding and 1 preceding), 0)::bigint / {n} as chunk"
+            " from (select {p}, count(*) as n_rows from y where {p_nn} group by {p}) as q) "
+        )
+        if chunks.by_rows
+        else sql.SQL(
+            "m as (select {p}, (row_number() over (order by {p}) - 1) / {n} as chunk "
+            "      from (select distinct {p} from y where {p_nn}) as q) "
+        )
+    ).format(p=idents(p), n=n, p_nn=not_null(None, p))
     return sql.SQL(
         "with y as materialized (select x.*, {pexprs} from ({body}) as x), "
-        "m as (select {p}, (row_number() over (order by {p}) - 1) / {n} as chunk "
-        "      from (select distinct {p} from y where {p_nn}) as q) "
+        "{numbered}"
         "select {d_cols}, m.chunk from y join m on {on} "
         "union all "
         "select {d_cols}, -1 - (row_number() over (order by {yk}) - 1) / {n} from y "
@@ -246,9 +270,8 @@ def _with_chunks(plan: Plan, body: sql.Composable, chunk_parents: int) -> sql.Co
     ).format(
         pexprs=pexprs,
         body=body,
-        p=idents(p),
+        numbered=numbered,
         n=n,
-        p_nn=not_null(None, p),
         d_cols=d_cols,
         on=equal("y", p, "m", p),
         yk=idents(key_in_difference, "y"),
