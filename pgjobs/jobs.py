@@ -265,7 +265,9 @@ class RecomputeJob(_DiffJob):
 
     ``chunk_parents``: write in chunks of that many parents, committing
     after each, so that no user transaction waits on more than one chunk
-    (off by default; see :func:`pgjobs.diff.write_diff`).
+    (off by default; see :func:`pgjobs.diff.write_diff`). It needs one
+    server session across those commits: behind a transaction pooler
+    (``$PGJOBS_TRANSACTION_POOLING``) the job writes in one transaction.
     """
 
     kind: ClassVar[str] = "recompute"

@@ -29,8 +29,8 @@ from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
 from ._pg import Params, abandon, driver, execute, set_local
-from .database import resolve_engine
-from .errors import ConfigError
+from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
+from .errors import ConfigError, JobError
 from .jobs import Job
 from .locking import (
     DEFAULT_NAMESPACE,
@@ -251,18 +251,27 @@ class Runner:
                 return finish(blocked, next_attempt_at=state.next_attempt_at if state else None)
 
             # 4. Run.
-            if getattr(job, "chunk_parents", None):
+            body = job
+            if getattr(job, "chunk_parents", None) and transaction_pooling():
+                body = _unchunked(job)
+            elif getattr(job, "chunk_parents", None):
                 session_locked = try_session_lock(conn, self.namespace, job.group or job.name)
+                backend = execute(conn, "select pg_backend_pid()").fetchone()
 
                 def checkpoint() -> None:
                     nonlocal trans
                     _send_before_commit(conn, ctx)
                     trans.commit()
                     trans = conn.begin()
-                    execute(conn, *set_local(_job_settings(job)))
+                    statement, params = set_local(_job_settings(job))
+                    now_on = execute(
+                        conn, sql.SQL("{}, pg_backend_pid()").format(statement), params
+                    ).fetchone()
+                    if now_on is None or backend is None or now_on[-1] != backend[0]:
+                        raise JobError(_SESSION_CHANGED.format(name=job.name))
 
                 ctx.checkpoint = checkpoint
-            execution = job.execute(conn, ctx)
+            execution = body.execute(conn, ctx)
 
             # 5. Commit the writes with the job's state and run record.
             next_attempt = self._next_after_success(job, started, next_due)
@@ -455,6 +464,33 @@ class Runner:
             self.store.ensure(conn)
             with conn.begin():
                 return self.store.prune(conn, keep=keep, now=self.clock())
+
+
+_SESSION_CHANGED = (
+    "{name}: chunked writes need one server session across their commits, and this"
+    " connection's next transaction ran in another (a transaction pooler, such as PgBouncer"
+    " with pool_mode = transaction?). The chunks before it are committed; the group's"
+    " session lock stays with the previous server session until the pooler closes it. Behind"
+    " a transaction pooler set $" + ENV_TRANSACTION_POOLING + "=1 (chunked jobs then write in"
+    " one transaction)."
+)
+#: chunked jobs already told that they run unchunked (logged once per process)
+_told_unchunked: set[str] = set()
+
+
+def _unchunked(job: Job) -> Job:
+    """``job`` writing in one transaction: behind a transaction pooler the
+    group's session lock and the chunks' temp tables would stay with a
+    server session the next transaction may not run in."""
+    if job.name not in _told_unchunked:
+        _told_unchunked.add(job.name)
+        log.warning(
+            "pgjobs: %s: chunk_parents is off behind a transaction pooler ($%s):"
+            " it writes in one transaction",
+            job.name,
+            ENV_TRANSACTION_POOLING,
+        )
+    return job.replace(chunk_parents=None)
 
 
 def _send_before_commit(conn: Connection, ctx: RunContext) -> None:
