@@ -264,9 +264,15 @@ def advisory_locks(engine: Engine) -> list[tuple[int, bool]]:
         ]
 
 
-def prepared_statements(bouncer: Bouncer) -> dict[int, list[str]]:
-    """The prepared statements of each of the pool's server sessions (two
-    clients inside a transaction at once hold both)."""
+def assert_no_prepared_statements(bouncer: Bouncer) -> None:
+    """No server session of the pool has a prepared statement (two clients
+    inside a transaction at once hold both). They need not be the sessions
+    the pool began with: now and then (a few times in a hundred runner
+    lifetimes here) a client's disconnect makes PgBouncer close a server
+    connection ("client disconnect while server was not ready"). The trace
+    of one such client ends with the extra Sync psycopg sends when a
+    pipeline whose last statement was COMMIT ends, after the server went
+    back to the pool, then Terminate."""
     clients = [
         psycopg.connect(_psycopg_url(bouncer.url), prepare_threshold=None) for _ in range(POOL_SIZE)
     ]
@@ -284,7 +290,8 @@ def prepared_statements(bouncer: Bouncer) -> dict[int, list[str]]:
     finally:
         for c in clients:
             c.close()
-    return found
+    assert len(found) == POOL_SIZE, found
+    assert found == {pid: [] for pid in found}, found
 
 
 def vacuum_count(engine: Engine) -> int:
@@ -385,7 +392,7 @@ def test_ticks_on_one_long_lived_runner_leave_no_prepared_statement_in_any_serve
         with runner.engine.connect() as conn:
             threshold = conn.connection.driver_connection.prepare_threshold
     assert [(r.outcome, r.error) for r in results] == [("ran", None)] * 30
-    assert prepared_statements(bouncer) == {pid: [] for pid in bouncer.backends}
+    assert_no_prepared_statements(bouncer)
     assert threshold is None
     assert derived(direct) == expected(direct)
 
@@ -511,7 +518,7 @@ def test_several_clients_enqueue_and_tick_concurrently_through_pgbouncer(
     assert depth == 0
     assert vacuum_count(direct) > vacuums_before
     assert derived(direct) == [r for r in expected(direct) if r[0] <= total]
-    assert prepared_statements(bouncer) == {pid: [] for pid in bouncer.backends}
+    assert_no_prepared_statements(bouncer)
 
 
 # -- failures -----------------------------------------------------------------------------------
