@@ -481,7 +481,9 @@ class RecomputeJob(_DiffJob):
     committed (the next run finishes the work). ``atomic=True`` writes any
     difference in one transaction; ``chunk_parents=N`` makes chunks of N
     parents each instead, whatever the difference's size. A target that
-    references itself is always written at once.
+    references itself is always written at once. Chunks need one server
+    session across their commits: behind a transaction pooler
+    (``$PGJOBS_TRANSACTION_POOLING``) the job writes in one transaction.
     """
 
     kind: ClassVar[str] = "recompute"

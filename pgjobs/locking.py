@@ -18,7 +18,9 @@ DEFAULT_NAMESPACE = "pgjobs"
 #: the group lock for the job's transaction, on the driver connection (``%s``:
 #: :func:`lock_name`), sent in the runner's pipeline; never waits
 TRY_XACT_SQL = "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
-_TRY_SESSION = text("select pg_try_advisory_lock(hashtextextended(:key, 0))")
+_TRY_SESSION = text(
+    "select case when pg_try_advisory_lock(hashtextextended(:key, 0)) then pg_backend_pid() end"
+)
 _UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
 
 
@@ -27,9 +29,12 @@ def lock_name(namespace: str, group: str) -> str:
     return f"{namespace}:{group}"
 
 
-def try_session_lock(conn: Connection, namespace: str, group: str) -> bool:
-    """The same lock at session level, held across commits by chunked writes."""
-    return bool(conn.execute(_TRY_SESSION, {"key": lock_name(namespace, group)}).scalar_one())
+def try_session_lock(conn: Connection, namespace: str, group: str) -> int | None:
+    """The same lock at session level, held across commits by chunked writes:
+    the server process holding it (``pg_backend_pid()``), or ``None`` when
+    another session has it."""
+    pid = conn.execute(_TRY_SESSION, {"key": lock_name(namespace, group)}).scalar_one()
+    return None if pid is None else int(pid)
 
 
 def release_session_lock(conn: Connection, namespace: str, group: str) -> None:

@@ -28,9 +28,17 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 
-from ._pg import abandon, connection_lost, later, open_transaction, send, set_local, sqlstate_of
-from .database import resolve_engine
-from .errors import ConfigError
+from ._pg import (
+    abandon,
+    connection_lost,
+    later,
+    open_transaction,
+    send,
+    set_local,
+    sqlstate_of,
+)
+from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
+from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
     DEFAULT_NAMESPACE,
@@ -383,11 +391,12 @@ class _Tick:
         conn, job = self.conn, self.job
         self.trans: RootTransaction = conn.begin()
         self.session_locked = False
+        self.backend: int | None = None
         try:
             stop = self._lock()
             if stop is not None:
                 return stop
-            if isinstance(job, RecomputeJob):
+            if isinstance(job, RecomputeJob) and self._may_chunk(job):
                 self.ctx.checkpoint = self._checkpoint
             execution = self.body.execute(conn, job, self.ctx)
             result = self._commit(execution)
@@ -430,19 +439,41 @@ class _Tick:
             return self._blocked_result(blocked)
         return None
 
+    def _may_chunk(self, job: RecomputeJob) -> bool:
+        """Chunks hold the group's lock at session level and temp tables
+        across commits: not behind a transaction pooler, where the next
+        transaction may run in another server session."""
+        if job.atomic or not transaction_pooling():
+            return not job.atomic
+        if job.name not in _told_unchunked:
+            _told_unchunked.add(job.name)
+            log.warning(
+                "pgjobs: %s: behind a transaction pooler ($%s) it writes in one transaction,"
+                " however large the difference",
+                job.name,
+                ENV_TRANSACTION_POOLING,
+            )
+        return False
+
     def _checkpoint(self) -> None:
         """Commit what is written so far, and go on in a new transaction with
         the job's settings and its savepoint (chunked writes). The first one
         takes the group's lock at session level too, which keeps the group
         across the commits (this session holds it already, in the
-        transaction: it is granted at once)."""
+        transaction: it is granted at once). Each one checks that the
+        transaction before it ran in the same server session."""
         if not self.session_locked:
-            self.session_locked = try_session_lock(self.conn, self.runner.namespace, self._group)
+            self.backend = try_session_lock(self.conn, self.runner.namespace, self._group)
+            self.session_locked = self.backend is not None
         self._queue_before_commit()
         send(self.conn, commit=self.trans)
         self.trans = self.conn.begin()
-        later(self.conn, *set_local(_job_settings(self.job)))
+        # one round trip a chunk: the settings, the savepoint, and the check
+        settings, params = set_local(_job_settings(self.job))
         later(self.conn, _SAVEPOINT_RUN)
+        (now_on,) = send(self.conn, (sql.SQL("{}, pg_backend_pid()").format(settings), params))
+        if self.backend is not None and (now_on.one() or (None,))[-1] != self.backend:
+            raise JobError(_SESSION_CHANGED.format(name=self.job.name))
 
     def _commit(self, execution: Execution) -> RunResult:
         """Step 5: the run record (with the success state) and COMMIT, in one
@@ -592,6 +623,17 @@ class _Tick:
         self.runner.quiet.count(result)
         return result
 
+
+_SESSION_CHANGED = (
+    "{name}: chunked writes need one server session across their commits, and this"
+    " connection's next transaction ran in another (a transaction pooler, such as PgBouncer"
+    " with pool_mode = transaction?). The chunks before it are committed; the group's"
+    " session lock stays with the previous server session until the pooler closes it. Behind"
+    " a transaction pooler set $" + ENV_TRANSACTION_POOLING + "=1 (chunked jobs then write in"
+    " one transaction)."
+)
+#: jobs already told that they write in one transaction (logged once per process)
+_told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
 _ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
