@@ -256,7 +256,7 @@ def _summary(result: RunResult) -> str:
         ]
         if s.skipped_missing_parent:
             parts.append(f"skipped (parent gone) {s.skipped_missing_parent:,}")
-        if result.items:
+        if result.items or result.failed_items:
             parts.append(f"items {result.items:,} ({result.failed_items:,} failed)")
         timing = (
             f"compute {result.compute_seconds:.2f}s, write {result.write_seconds:.2f}s, "

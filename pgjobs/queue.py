@@ -67,6 +67,11 @@ def queue_table(schema: str) -> sql.Identifier:
 
 
 # -- keys ----------------------------------------------------------------------
+#: the longest key the queue takes, as JSON: a btree index entry holds at most
+#: about 2,700 bytes (a 1 MB key failed with "index row requires ... bytes")
+MAX_KEY_BYTES = 2_000
+
+
 def _json_value(value: Any, key: Any) -> Any:
     if value is None:
         raise ConfigError(f"keys: a key value may not be None, got {key!r}")
@@ -97,7 +102,14 @@ def key_json(key: Any, width: int | None = None) -> str:
         raise ConfigError(f"keys: expected {width} scope value(s) per key, got {key!r}")
     if not values:
         raise ConfigError("keys: a key needs at least one value")
-    return json.dumps([_json_value(v, key) for v in values], separators=(",", ":"))
+    text = json.dumps([_json_value(v, key) for v in values], separators=(",", ":"))
+    if len(text.encode()) > MAX_KEY_BYTES:
+        raise ConfigError(
+            f"keys: a key is at most {MAX_KEY_BYTES:,} bytes as the queue stores it (its"
+            f" primary key index holds it), got {len(text.encode()):,} bytes starting"
+            f" {text[:60]!r}"
+        )
+    return text
 
 
 # -- enqueue -------------------------------------------------------------------

@@ -164,3 +164,53 @@ def test_a_deferred_constraint_failing_at_commit_is_recorded_with_the_lock_held(
     assert logged(engine, "deferred") == [("failed", "23503")]
     with engine.connect() as conn:
         assert conn.execute(text("select count(*) from child")).scalar_one() == 0
+
+
+# -- smaller items ------------------------------------------------------------------------------
+def test_a_failed_items_last_error_is_the_databases_message_with_its_sqlstate(engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "create table parent (id int primary key);"
+                " create table derived (parent_id int primary key references parent,"
+                " v int not null); insert into parent values (1), (2)"
+            )
+        )
+    job = pgjobs.QueueJob(
+        name="w",
+        target="derived",
+        scope="parent_id",
+        # item 2 divides by zero
+        compute="select id as parent_id, 10 / (2 - id) as v from parent where id = any(:keys)",
+    )
+    pgjobs.install(engine)
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, job, [1, 2])
+    with pgjobs.Runner(engine) as runner:
+        result = runner.tick(job, force=True)
+    assert (result.items, result.failed_items) == (1, 1)
+    with engine.connect() as conn:
+        error = conn.execute(text("select last_error from pgjobs.queue")).scalar_one()
+    assert error == "DivisionByZero: division by zero (SQLSTATE 22012)"
+
+
+def test_a_key_too_long_for_the_queue_is_refused_naming_its_size(engine) -> None:
+    pgjobs.install(engine)
+    job = pgjobs.QueueJob(name="w", target="t", scope="k", compute="select 1")
+    with engine.begin() as conn:
+        try:
+            pgjobs.enqueue(conn, job, ["x" * 1_000_000])
+        except pgjobs.ConfigError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("a 1 MB key was taken")
+    assert "a key is at most 2,000 bytes" in message and "got 1,000,004 bytes" in message
+
+
+def test_once_says_how_many_items_failed_when_none_succeeded() -> None:
+    from pgjobs.cli import _summary
+
+    result = pgjobs.RunResult(
+        job="w", outcome=pgjobs.Outcome.RAN, started_at=T0, finished_at=T0, items=0, failed_items=1
+    )
+    assert "items 0 (1 failed)" in _summary(result)

@@ -70,7 +70,16 @@ def _is_run_level(exc: BaseException) -> bool:
 
 
 def _error_text(exc: BaseException) -> str:
-    message = f"{type(exc).__name__}: {exc}".strip()
+    """What an item's ``last_error`` says: the driver's error (not
+    SQLAlchemy's wrapper, which repeats the SQL and adds a link), with its
+    SQLSTATE when the database gave one."""
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, BaseException):
+        exc = orig
+    state = sqlstate_of(exc)
+    message = f"{type(exc).__name__}: {str(exc).strip()}" + (
+        f" (SQLSTATE {state})" if state else ""
+    )
     return message if len(message) <= 2000 else message[:1997] + "..."
 
 
