@@ -1,11 +1,15 @@
 """Reflection of a derived (target) table: what the diff writer needs to know.
 
-:func:`reflect_target` reads the catalog once per run and returns a frozen
-:class:`Target`: the diff key (the primary key unless declared), the columns
-pgjobs may write (generated and identity columns left out), how each column
-is compared, and the target's parents (every foreign key, composite and
-nullable ones included, self-references marked, plus the parents a job
-declares where no foreign key says so).
+:func:`reflect_target` returns a frozen :class:`Target`: the diff key (the
+primary key unless declared), the columns pgjobs may write (generated and
+identity columns left out), how each column is compared, the target's
+parents (every foreign key, composite and nullable ones included,
+self-references marked, plus the parents a job declares where no foreign
+key says so) and its plain btree indexes. The process keeps what it
+reflected and checks it with one catalog query per run, which
+:func:`prefetch_fingerprint` queues for the runner's lock round trip.
+
+Why, and the figures: ``docs/DESIGN.md``, "Reflection".
 """
 
 from __future__ import annotations
