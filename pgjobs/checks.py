@@ -18,7 +18,7 @@ from ._pg import sqlstate_of
 from .errors import ConfigError
 from .jobs import QueueJob, RecomputeJob
 from .registry import Registered
-from .staging import check_sql
+from .staging import check_coverage, check_sql
 from .target import reflect_target
 
 
@@ -65,7 +65,8 @@ def _check_job(conn: Connection, entry: Registered) -> None:
         field = "sql" if entry.config is not None else "compute"
         try:
             with conn.begin_nested():
-                check_sql(conn, target, job.compute)
+                produced = check_sql(conn, target, job.compute)
+            check_coverage(target, produced, job.columns, "the new rows' SQL")
         except ConfigError as exc:
             raise ConfigError(f"{entry.key(field)}: {exc}") from None
         except Exception as exc:

@@ -101,6 +101,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "description": _KINDS,
     "key": _DIFF_KINDS,
     "parents": _DIFF_KINDS,
+    "columns": _DIFF_KINDS,
     "chunk_parents": ("recompute",),
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
@@ -146,6 +147,7 @@ class JobOverride:
     description: str | None = None
     key: tuple[str, ...] | None = None
     parents: tuple[Parent, ...] | None = None
+    columns: tuple[str, ...] | None = None
     chunk_parents: int | None = None
     chunk_rows: int | None = None
     atomic: bool | None = None
@@ -404,7 +406,7 @@ class _Parser:
             return self.backoff(value, key)
         if name in ("enabled", "synchronous_commit", "atomic"):
             return self.boolean(value, key)
-        if name == "key":
+        if name in ("key", "columns"):
             return self.names(value, key)
         if name == "parents":
             return self.parents(value, key)

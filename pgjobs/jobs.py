@@ -433,6 +433,11 @@ class _DiffJob(Job):
     key: tuple[str, ...] | None = None
     #: parents the target's foreign keys don't declare
     parents: tuple[Parent, ...] = ()
+    #: the target columns the job maintains, when not all of them: its new
+    #: rows must give these (and the key and parent columns); the target's
+    #: other columns keep their values. ``None``: every writable column, and
+    #: new rows that leave one out are an error naming it.
+    columns: tuple[str, ...] | None = None
     #: Off: the commit returns before its WAL is flushed (PostgreSQL's
     #: asynchronous commit). A crash can then lose the last job transactions,
     #: never part of one, and only together with everything that makes them
@@ -458,6 +463,10 @@ class _DiffJob(Job):
                 f"{where}: parents: expected pgjobs.Parent values, got {self.parents!r}"
             )
         object.__setattr__(self, "parents", parents)
+        if self.columns is not None:
+            object.__setattr__(self, "columns", _names(self.columns, f"{where}: columns"))
+            if not self.columns:
+                raise ConfigError(f"{where}: columns: expected column names, got ()")
 
     def _default_group(self) -> str:
         return self.target or self.name

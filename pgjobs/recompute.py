@@ -21,7 +21,7 @@ from ._pg import later
 from .diff import DiffWriter
 from .jobs import RecomputeJob, RunContext
 from .results import Execution
-from .staging import stage
+from .staging import check_coverage, stage
 from .target import describe, prefetch_fingerprint, reflect_target
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
     source = job.compute if isinstance(job.compute, str) else job.compute(conn)
     ctx.report("stage", None, None)
     staged = stage(conn, target, source, preserve=chunked)
+    check_coverage(target, staged.columns, job.columns, "the new rows")
     ctx.report("stage", staged.rows, staged.rows)
     compute_seconds = time.perf_counter() - started
     with DiffWriter(

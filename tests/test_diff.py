@@ -93,6 +93,7 @@ def test_sql_text_and_selectable_sources(engine):
         target="derived",
         compute="select p.id * 10 as id, p.id as parent_id, null::int as tag_id, "
         "length(p.name) as score from parent p",
+        columns=("tag_id", "score"),  # derived.doc is not this job's
     )
     assert tick(engine, sql_job).stats.inserted == 10
     assert contents(engine, "select id, parent_id, score from derived order by id")[:2] == [
@@ -107,12 +108,32 @@ def test_sql_text_and_selectable_sources(engine):
         null().label("tag_id"),
         (parent.c.id + 0.5).label("score"),
     ).where(parent.c.id <= 5)
-    sel_job = pgjobs.RecomputeJob(name="sel", target="derived", compute=lambda conn: query)
+    sel_job = pgjobs.RecomputeJob(
+        name="sel", target="derived", compute=lambda conn: query, columns=("tag_id", "score")
+    )
     result = tick(engine, sel_job)
     assert result.stats == pgjobs.DiffStats(updated=5, deleted=5)
     assert contents(engine, "select id, score from derived order by id") == [
         (10 * i, pytest.approx(i + 0.5)) for i in range(1, 6)
     ]
+
+
+def test_a_job_whose_rows_leave_out_a_column_it_does_not_name_fails_naming_it(engine):
+    setup(engine)
+    job = pgjobs.RecomputeJob(
+        name="forgot",
+        target="derived",
+        compute="select p.id * 10 as id, p.id as parent_id, null::int as tag_id,"
+        " length(p.name) as score from parent p",
+    )
+    with pgjobs.Runner(engine) as runner:
+        result = runner.tick(job, force=True)
+        assert result.outcome == "failed"
+        assert "the new rows lack column(s) doc; name the columns the job maintains" in result.error
+        assert contents(engine, "select count(*) from derived") == [(0,)]
+        named = job.replace(columns=("tag_id", "score", "nope"))
+        result = runner.tick(named, force=True)
+        assert result.outcome == "failed" and "names column(s) nope" in result.error
 
 
 def test_columns_left_out_keep_their_values(engine):
@@ -122,6 +143,7 @@ def test_columns_left_out_keep_their_values(engine):
         name="r",
         target="derived",
         compute=lambda conn: [{"id": 1, "parent_id": 1, "tag_id": 3, "score": 2}],
+        columns=("tag_id", "score"),
     )
     assert tick(engine, job).stats == pgjobs.DiffStats(updated=1)
     assert contents(engine) == [(1, 1, 3, 2, "[1]")]

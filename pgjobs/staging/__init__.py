@@ -42,6 +42,7 @@ from .rows import copy_rows, python_rows
 from .table import (
     add_key,
     check_columns,
+    check_coverage,
     check_repeated,
     create,
     key_errors,
@@ -198,4 +199,12 @@ def _unsupported(target: Target, source: object) -> ConfigError:
     )
 
 
-__all__ = ["ANALYZE_ROWS", "Staged", "check_sql", "session_name", "stage", "temp_name"]
+__all__ = [
+    "ANALYZE_ROWS",
+    "Staged",
+    "check_coverage",
+    "check_sql",
+    "session_name",
+    "stage",
+    "temp_name",
+]

@@ -67,6 +67,32 @@ def check_columns(target: Target, names: Sequence[str], what: str) -> tuple[str,
     return tuple(c for c in target.columns if c in given)
 
 
+def check_coverage(
+    target: Target, given: Sequence[str], maintained: Sequence[str] | None, what: str
+) -> None:
+    """The new rows must give every writable column of the target, or, when
+    the job names the columns it maintains, those: else a :class:`ConfigError`
+    naming the missing ones (a column left out would never be maintained,
+    and every run would call it unchanged)."""
+    wanted = target.columns if maintained is None else maintained
+    unknown = [c for c in wanted if c not in target.types]
+    if unknown:
+        raise ConfigError(
+            f"target {target.label}: columns names column(s) {', '.join(unknown)} that the "
+            f"target does not have or pgjobs does not write; writable: {', '.join(target.columns)}"
+        )
+    missing = [c for c in wanted if c not in set(given)]
+    if missing:
+        hint = (
+            "name the columns the job maintains (columns = [...]) to leave the others alone"
+            if maintained is None
+            else "they are among the job's columns"
+        )
+        raise ConfigError(
+            f"target {target.label}: {what} lack column(s) {', '.join(missing)}; {hint}"
+        )
+
+
 # -- the key -----------------------------------------------------------------------
 @contextmanager
 def key_errors(target: Target) -> Iterator[None]:

@@ -19,7 +19,7 @@ from .._pg import analyze, later, send
 from ..diff import Scope, write_diff
 from ..jobs import Keys
 from ..results import Execution
-from ..staging import stage
+from ..staging import check_coverage, stage
 from .base import _ANALYZE_KEYS, _MAX_SAVEPOINTS, KEYS_TABLE, _error_text, _is_run_level
 from .claim import Claiming
 from .vacuum import count_deleted
@@ -143,6 +143,7 @@ class Worker(Claiming):
         compute = self.job.compute
         source = compute if isinstance(compute, str) else compute(self.conn, keys)
         staged = stage(self.conn, self.target, source, params=self._params(keys), session=True)
+        check_coverage(self.target, staged.columns, self.job.columns, "the new rows")
         b.compute_seconds += time.perf_counter() - started
         self.ctx.report("write", len(keys), None)
         # wait_busy=False: this transaction holds queue entries, and a user may
