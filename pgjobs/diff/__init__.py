@@ -148,7 +148,11 @@ class DiffWriter:
         self.plan = Plan(target, staged, scope, preserve=chunking is not None)
         self.totals = _Totals()
         self._report("diff")
-        self.counts, self.target_rows = build_difference(conn, self.plan, chunking)
+        self.counts, estimate = build_difference(conn, self.plan, chunking)
+        # The target's size, for choosing keyed plans: as it is, or as it will
+        # be (a first fill: an empty target, each chunk a small part of it;
+        # a plan for an empty target scanned the whole parent table per chunk)
+        self.target_rows = max(estimate, float(self.plan.staged.rows))
         create_parent_tables(conn, self.plan)
         #: rows of the difference by op ("i", "u", "d"), per chunk
         self.per_chunk: dict[int | None, dict[str, int]] = {None: self.counts}
