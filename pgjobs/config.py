@@ -102,6 +102,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "key": _DIFF_KINDS,
     "parents": _DIFF_KINDS,
     "columns": _DIFF_KINDS,
+    "flow": _DIFF_KINDS,
     "chunk_parents": ("recompute",),
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
@@ -148,6 +149,7 @@ class JobOverride:
     key: tuple[str, ...] | None = None
     parents: tuple[Parent, ...] | None = None
     columns: tuple[str, ...] | None = None
+    flow: bool | None = None
     chunk_parents: int | None = None
     chunk_rows: int | None = None
     atomic: bool | None = None
@@ -404,7 +406,7 @@ class _Parser:
             return value
         if name in ("backoff", "item_backoff"):
             return self.backoff(value, key)
-        if name in ("enabled", "synchronous_commit", "atomic"):
+        if name in ("enabled", "synchronous_commit", "atomic", "flow"):
             return self.boolean(value, key)
         if name in ("key", "columns"):
             return self.names(value, key)

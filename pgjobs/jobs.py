@@ -438,6 +438,12 @@ class _DiffJob(Job):
     #: other columns keep their values. ``None``: every writable column, and
     #: new rows that leave one out are an error naming it.
     columns: tuple[str, ...] | None = None
+    #: Flow (``docs/DESIGN.md``, "Flow"): a recompute holds the group's write
+    #: lock only at its start and while it writes, and leaves out the keys a
+    #: queue worker rewrote meanwhile; workers share the write lock. Off: the
+    #: protocol before it (a recompute holds the lock from start to commit),
+    #: for a target something pgjobs does not see writes to as well.
+    flow: bool = True
     #: Off: the commit returns before its WAL is flushed (PostgreSQL's
     #: asynchronous commit). A crash can then lose the last job transactions,
     #: never part of one, and only together with everything that makes them
@@ -467,6 +473,8 @@ class _DiffJob(Job):
             object.__setattr__(self, "columns", _names(self.columns, f"{where}: columns"))
             if not self.columns:
                 raise ConfigError(f"{where}: columns: expected column names, got ()")
+        if not isinstance(self.flow, bool):
+            raise ConfigError(f"{where}: flow: expected true or false, got {self.flow!r}")
 
     def _default_group(self) -> str:
         return self.target or self.name
@@ -501,6 +509,11 @@ class RecomputeJob(_DiffJob):
     chunk_parents: int | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     atomic: bool = False
+    #: the scope of the group's queue workers on this target, which flow
+    #: needs to tell which rows a worker rewrote: set by the registry when
+    #: every queue job of the group on this target has flow on and one
+    #: scope; ``None``: the recompute runs without flow
+    worker_scope: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
@@ -511,6 +524,16 @@ class RecomputeJob(_DiffJob):
         check_count(self.chunk_rows, f"{where}: chunk_rows", MAX_CHUNK_ROWS)
         if not isinstance(self.atomic, bool):
             raise ConfigError(f"{where}: atomic: expected true or false, got {self.atomic!r}")
+        if self.worker_scope is not None:
+            scope = _names(self.worker_scope, f"{where}: worker_scope")
+            if not scope:
+                raise ConfigError(f"{where}: worker_scope: expected column names, got ()")
+            object.__setattr__(self, "worker_scope", scope)
+
+    @property
+    def flows(self) -> bool:
+        """Runs with flow: on, and the registry found its workers' scope."""
+        return self.flow and self.worker_scope is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

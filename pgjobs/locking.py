@@ -18,6 +18,18 @@ DEFAULT_NAMESPACE = "pgjobs"
 #: the group lock for the job's transaction, on the driver connection (``%s``:
 #: :func:`lock_name`), sent in the runner's pipeline; never waits
 TRY_XACT_SQL = "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+#: the group's write lock, shared among queue workers (flow); never waits
+TRY_XACT_SHARED_SQL = "select pg_try_advisory_xact_lock_shared(hashtextextended(%s, 0))"
+#: two locks, both or none (a recompute that does not flow: its own and the group's)
+TRY_XACT_BOTH_SQL = (
+    "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+    " and pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+)
+#: a flow recompute's exclusive write lock: waited for, under lock_timeout
+#: (workers step aside for it: a shared try-lock fails while it waits)
+WAIT_XACT_SQL = "select pg_advisory_xact_lock(hashtextextended(%s, 0))"
+WAIT_SESSION_SQL = "select pg_advisory_lock(hashtextextended(%s, 0))"
+UNLOCK_SESSION_SQL = "select pg_advisory_unlock(hashtextextended(%s, 0))"
 _TRY_SESSION = text(
     "select case when pg_try_advisory_lock(hashtextextended(:key, 0)) then pg_backend_pid() end"
 )
@@ -29,13 +41,18 @@ def lock_name(namespace: str, group: str) -> str:
     return f"{namespace}:{group}"
 
 
-def try_session_lock(conn: Connection, namespace: str, group: str) -> int | None:
-    """The same lock at session level, held across commits by chunked writes:
-    the server process holding it (``pg_backend_pid()``), or ``None`` when
-    another session has it."""
-    pid = conn.execute(_TRY_SESSION, {"key": lock_name(namespace, group)}).scalar_one()
+def recompute_lock_name(namespace: str, group: str) -> str:
+    """The lock recomputes of a group serialize on: ``'<namespace>:<group>:recompute'``."""
+    return f"{namespace}:{group}:recompute"
+
+
+def try_session_lock(conn: Connection, name: str) -> int | None:
+    """The lock ``name`` (see :func:`lock_name`) at session level, held across
+    commits by chunked writes: the server process holding it
+    (``pg_backend_pid()``), or ``None`` when another session has it."""
+    pid = conn.execute(_TRY_SESSION, {"key": name}).scalar_one()
     return None if pid is None else int(pid)
 
 
-def release_session_lock(conn: Connection, namespace: str, group: str) -> None:
-    conn.execute(_UNLOCK_SESSION, {"key": lock_name(namespace, group)})
+def release_session_lock(conn: Connection, name: str) -> None:
+    conn.execute(_UNLOCK_SESSION, {"key": name})

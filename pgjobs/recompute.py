@@ -17,12 +17,13 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import later
+from ._pg import later, send
 from .diff import DiffWriter
 from .jobs import RecomputeJob, RunContext
+from .locking import WAIT_SESSION_SQL, WAIT_XACT_SQL, lock_name
 from .results import Execution
 from .staging import check_coverage, stage
-from .target import describe, prefetch_fingerprint, reflect_target
+from .target import Target, describe, prefetch_fingerprint, reflect_target
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         parents=job.parents,
         prefetched=ctx.extra.pop("fingerprint", None),
     )
+    flow = _Flow.start(conn, job, ctx, target) if job.flows else None
     # Chunks need tables that outlive a commit, and a runner that commits. A
     # target that references itself is written at once, unless chunks of
     # parents are asked for (which the writer refuses there, saying why).
@@ -82,7 +84,11 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         for n, chunk in enumerate(writer.chunks):
             if n and ctx.checkpoint is not None:
                 ctx.checkpoint()  # commit the chunks so far, go on in a new transaction
+            if flow is not None:
+                flow.exclude(writer, chunk)
             writer.write_chunk(chunk)
+        if flow is not None:
+            flow.prune()
         result = writer.finish()
     if chunked:
         later(conn, sql.SQL("drop table if exists {}").format(staged.table))
@@ -102,6 +108,64 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         lock_seconds=result.lock_seconds,
         detail=detail,
     )
+
+
+class _Flow:
+    """A recompute with flow (``docs/DESIGN.md``, "Flow"): the group's write
+    lock for an instant at the start (the snapshot S0), and again for each
+    chunk's writes, which first leave out the keys a worker rewrote after S0."""
+
+    def __init__(
+        self, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, s0: str
+    ) -> None:
+        self.conn, self.job, self.target, self.s0 = conn, job, target, s0
+        self.write_lock = lock_name(ctx.namespace, job.group or job.name)
+        self.marks = sql.Identifier(ctx.schema, "mark")
+
+    @classmethod
+    def start(cls, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target) -> _Flow:
+        """S0: the write lock, waited for (no worker transaction is then open),
+        and in a statement after the grant the snapshot, and the lock given
+        back: one round trip."""
+        write_lock = lock_name(ctx.namespace, job.group or job.name)
+        _, taken = send(
+            conn,
+            (WAIT_SESSION_SQL, (write_lock,)),
+            (_SNAPSHOT_AND_UNLOCK, (write_lock,)),
+        )
+        return cls(conn, job, ctx, target, str(taken.scalar()))
+
+    def exclude(self, writer: DiffWriter, chunk: int | None) -> None:
+        """The write lock for this chunk's transaction, to its commit; then,
+        in a statement after the grant (same round trip), the rows of keys a
+        worker rewrote after S0 out of the chunk."""
+        later(self.conn, WAIT_XACT_SQL, (self.write_lock,))
+        assert self.job.worker_scope is not None
+        writer.exclude(
+            chunk,
+            self.job.worker_scope,
+            sql.SQL(
+                "select m.key from {} as m where m.target = %s"
+                " and not pg_visible_in_snapshot(m.xid, %s::pg_snapshot)"
+            ).format(self.marks),
+            (self.target.label, self.s0),
+        )
+
+    def prune(self) -> None:
+        """The marks S0 covers are never needed again: gone with the commit."""
+        later(
+            self.conn,
+            sql.SQL(
+                "delete from {} where target = %s and pg_visible_in_snapshot(xid, %s::pg_snapshot)"
+            ).format(self.marks),
+            (self.target.label, self.s0),
+        )
+
+
+#: S0, read in a statement after the write lock's grant, and the lock given back
+_SNAPSHOT_AND_UNLOCK = (
+    "select pg_current_snapshot()::text, pg_advisory_unlock(hashtextextended(%s, 0))"
+)
 
 
 class RecomputeBody:

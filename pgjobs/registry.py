@@ -32,7 +32,7 @@ import pluggy
 from . import hookspecs
 from .config import Config, load_config
 from .errors import ConfigError, PluginError
-from .jobs import Job
+from .jobs import Job, QueueJob, RecomputeJob
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,27 @@ class Registry:
                             "group, so that one advisory lock keeps them from running at once; "
                             "give them the same group"
                         )
+        self._link_flow(writers)
+
+    def _link_flow(self, writers: dict[str, list[Registered]]) -> None:
+        """Give each recompute with flow on the scope of its group's queue
+        workers on its target (:attr:`RecomputeJob.worker_scope`), when they
+        all have flow on and one scope: then the recompute runs with flow.
+        Otherwise it holds the lock from start to commit, as without flow."""
+        for entries in writers.values():
+            for entry in entries:
+                job = entry.job
+                if not isinstance(job, RecomputeJob) or not job.flow:
+                    continue
+                workers = [
+                    e.job
+                    for e in entries
+                    if isinstance(e.job, QueueJob) and _same_table(job, e.job)
+                ]
+                scopes = {w.scope for w in workers}
+                scope = scopes.pop() if len(scopes) == 1 and all(w.flow for w in workers) else None
+                if scope != job.worker_scope:
+                    self._entries[job.name] = replace(entry, job=job.replace(worker_scope=scope))
 
     # -- reading -------------------------------------------------------------
     def get(self, name: str) -> Job:

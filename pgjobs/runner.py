@@ -42,8 +42,11 @@ from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
     DEFAULT_NAMESPACE,
+    TRY_XACT_BOTH_SQL,
+    TRY_XACT_SHARED_SQL,
     TRY_XACT_SQL,
     lock_name,
+    recompute_lock_name,
     release_session_lock,
     try_session_lock,
 )
@@ -392,6 +395,7 @@ class _Tick:
         self.trans: RootTransaction = conn.begin()
         self.session_locked = False
         self.backend: int | None = None
+        self.lock_names: tuple[str, ...] = ()
         try:
             stop = self._lock()
             if stop is not None:
@@ -419,7 +423,8 @@ class _Tick:
         since step 1) with the job's settings, and what the body prefetches.
         Both are read-only and transaction-local: when the lock is busy they
         are rolled back. Returns the result of a tick that stops here."""
-        lock = later(self.conn, TRY_XACT_SQL, (lock_name(self.runner.namespace, self._group),))
+        statement, self.lock_names = self._lock_statement()
+        lock = later(self.conn, statement, self.lock_names)
         state = later(
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
@@ -438,6 +443,23 @@ class _Tick:
             self.trans.rollback()
             return self._blocked_result(blocked)
         return None
+
+    def _lock_statement(self) -> tuple[str, tuple[str, ...]]:
+        """Which locks the job takes, never waiting (``docs/DESIGN.md``, "Flow"):
+        a queue worker with flow shares the group's write lock with the other
+        workers; a recompute takes the group's recompute lock, and, without
+        flow, the write lock too, exclusively, to its commit; any other job
+        the write lock, exclusively."""
+        namespace, group, job = self.runner.namespace, self._group, self.job
+        write = lock_name(namespace, group)
+        if isinstance(job, QueueJob) and job.flow:
+            return TRY_XACT_SHARED_SQL, (write,)
+        if isinstance(job, RecomputeJob):
+            mine = recompute_lock_name(namespace, group)
+            if job.flows:
+                return TRY_XACT_SQL, (mine,)
+            return TRY_XACT_BOTH_SQL, (mine, write)
+        return TRY_XACT_SQL, (write,)
 
     def _may_chunk(self, job: RecomputeJob) -> bool:
         """Chunks hold the group's lock at session level and temp tables
@@ -463,7 +485,8 @@ class _Tick:
         transaction: it is granted at once). Each one checks that the
         transaction before it ran in the same server session."""
         if not self.session_locked:
-            self.backend = try_session_lock(self.conn, self.runner.namespace, self._group)
+            for name in self.lock_names:
+                self.backend = try_session_lock(self.conn, name)
             self.session_locked = self.backend is not None
         self._queue_before_commit()
         send(self.conn, commit=self.trans)
@@ -545,7 +568,8 @@ class _Tick:
     def _release_session_lock(self) -> None:
         try:
             with self.conn.begin():
-                release_session_lock(self.conn, self.runner.namespace, self._group)
+                for name in self.lock_names:
+                    release_session_lock(self.conn, name)
         except Exception:
             # A pooled connection must never go back holding the group lock.
             log.warning(

@@ -322,6 +322,7 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
         (pgjobs.Parent(table="s.p", columns=("id",), parent_columns=("pid",)),),
     ),
     ("columns", '["total"]', "columns", ("total",)),
+    ("flow", "false", "flow", False),
     ("chunk_parents", "500", "chunk_parents", 500),
     ("chunk_rows", "2500", "chunk_rows", 2500),
     ("atomic", "true", "atomic", True),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import flush, later
+from .._pg import Params, flush, later
 from ..errors import ConfigError
 from ..results import DiffStats
 from ..staging import Staged
@@ -37,7 +37,7 @@ from ..target import Target
 from . import plan as planning
 from .difference import Chunks, build_difference
 from .parents import create_parent_tables, index_bad, lock_parents
-from .plan import Plan, Scope, keyed_plans, run
+from .plan import Plan, Scope, chunk_filter, keyed_plans, run
 from .rows import write_rows
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,9 @@ class _Totals:
     busy: int = 0
     dead: int = 0
     waits: int = 0
+    excluded: int = 0
+    excluded_staged: int = 0
+    excluded_keys: int = 0
     lock_seconds: float = 0.0
     max_chunk: float = 0.0
 
@@ -211,6 +214,59 @@ class DiffWriter:
         self.written += 1
         self._report("write", self.written, len(self.chunks))
 
+    def exclude(
+        self,
+        chunk: int | None,
+        scope: Sequence[str],
+        keys: sql.Composable,
+        params: Params = None,
+    ) -> int:
+        """Drop from ``chunk`` of the difference (before it is written) the
+        rows whose ``scope`` values, as ``jsonb_build_array`` of them, are
+        among what ``keys`` (a query) returns: rows that someone else has
+        rewritten since the new rows were computed (flow: the keys a queue
+        worker rewrote, ``docs/DESIGN.md``). Returns how many rows."""
+        plan = self.plan
+        values: list[sql.Composable] = []
+        for column in scope:
+            new = sql.Identifier("d", plan.new[column]) if column in plan.new else None
+            old = sql.Identifier("d", plan.old[column]) if column in plan.old else None
+            if new is None and old is None:
+                raise ConfigError(
+                    f"target {plan.target.label}: the workers' scope column {column!r} is not"
+                    " among the new rows' columns"
+                )
+            if new is not None and old is not None and column not in plan.key:
+                values.append(sql.SQL("coalesce({}, {})").format(new, old))
+            else:
+                values.append(new if new is not None else old)  # type: ignore[arg-type]
+        # (the keys' count too: how many keys were left out, for the run record)
+        statement = sql.SQL(
+            "with e as materialized ({keys}), x as (delete from {d} as d where {chunk}"
+            " and jsonb_build_array({values}) in (select * from e) returning op)"
+            " select op::text, count(*) from x group by op"
+            " union all select 'keys', count(*) from e"
+        ).format(
+            d=plan.difference,
+            chunk=chunk_filter("d", chunk),
+            values=sql.SQL(", ").join(values),
+            keys=keys,
+        )
+        dropped = 0
+        for op, n in run(self.conn, statement, params).all():
+            if op == "keys":
+                self.totals.excluded_keys = max(self.totals.excluded_keys, int(n))
+                continue
+            self.per_chunk[chunk][str(op)] -= int(n)
+            dropped += int(n)
+            if op != "d":  # a staged row, neither written nor unchanged
+                self.totals.excluded_staged += int(n)
+        if dropped:
+            plan.needs = None
+            plan.refill_needs = True
+        self.totals.excluded += dropped
+        return dropped
+
     def finish(self) -> WriteResult:
         """Drop the writer's own temp tables and say what the diff did."""
         plan, totals = self.plan, self.totals
@@ -221,7 +277,12 @@ class DiffWriter:
             )
         flush(self.conn)
         unchanged = (
-            plan.staged.rows - totals.inserted - totals.updated - totals.skipped - totals.deferred
+            plan.staged.rows
+            - totals.inserted
+            - totals.updated
+            - totals.skipped
+            - totals.deferred
+            - totals.excluded_staged
         )
         deferred = totals.deferred + totals.deferred_deletes
         if deferred:
@@ -251,6 +312,8 @@ class DiffWriter:
                 "parents_gone": totals.dead,
                 "parents_busy": totals.busy,
                 "busy_waits": totals.waits,
+                "excluded": totals.excluded,
+                "excluded_keys": totals.excluded_keys,
             },
         )
 

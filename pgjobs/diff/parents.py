@@ -91,9 +91,9 @@ def need_sql(plan: Plan, i: int, chunk: int | None) -> sql.Composed:
 
 def _fill_need(conn: Connection, plan: Plan, i: int, chunk: int | None) -> int:
     """Fill ``need`` of parent ``i`` for this pass; returns its size."""
-    if chunk is not None:
+    if chunk is not None or plan.refill_needs:
         later(conn, sql.SQL("truncate {}").format(plan.need[i]))
-    # the table is empty (new, emptied per call, or truncated per chunk): the
+    # the table is empty (new, emptied per call, or truncated here): the
     # insert's row count is its size
     count = run(conn, need_sql(plan, i, chunk)).rowcount
     if plan.analyzed:

@@ -121,6 +121,8 @@ class Plan:
         self.gone = [name("gone", i) for i, _ in enumerate(self.parents)]
         #: the size of each ``need`` table, once filled with the difference
         self.needs: list[int] | None = None
+        #: rows were dropped from the difference after ``need`` was filled
+        self.refill_needs = False
         #: the difference was analyzed (and so are the sets derived from it)
         self.analyzed = True
         self.temps: list[sql.Identifier] = []

@@ -144,6 +144,8 @@ class Worker(Claiming):
         source = compute if isinstance(compute, str) else compute(self.conn, keys)
         staged = stage(self.conn, self.target, source, params=self._params(keys), session=True)
         check_coverage(self.target, staged.columns, self.job.columns, "the new rows")
+        if self.job.flow:
+            self._mark()
         b.compute_seconds += time.perf_counter() - started
         self.ctx.report("write", len(keys), None)
         # wait_busy=False: this transaction holds queue entries, and a user may
@@ -179,6 +181,25 @@ class Worker(Claiming):
         # The savepoint stays open (the commit releases it): a round trip
         # saved. Should a later sub-batch fail, it is rolled back to its own.
         b.done.extend(items)
+
+    def _mark(self) -> None:
+        """Flow: record, in this transaction, that its xid rewrote these keys
+        (``docs/DESIGN.md``, "Flow"); a recompute that computed meanwhile
+        leaves them out. Goes with the diff's first round trip, under the
+        sub-batch's savepoint."""
+        later(
+            self.conn,
+            sql.SQL(
+                "insert into {marks} (target, key, xid) select %s, jsonb_build_array({cols}),"
+                " pg_current_xact_id() from pg_temp.{keys} as k order by 2"
+                " on conflict (target, key) do update set xid = excluded.xid"
+            ).format(
+                marks=sql.Identifier(self.ctx.schema, "mark"),
+                cols=sql.SQL(", ").join(sql.Identifier("k", c) for c in self.job.scope),
+                keys=self.keys_table,
+            ),
+            (self.target.label,),
+        )
 
     def _delete(self, items: list[str]) -> None:
         """Take ``items`` (processed, or their parent gone) off the queue, with
