@@ -85,6 +85,7 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
             if n and ctx.checkpoint is not None:
                 ctx.checkpoint()  # commit the chunks so far, go on in a new transaction
             if flow is not None:
+                ctx.report("write-lock", n, len(writer.chunks))
                 flow.exclude(writer, chunk)
             writer.write_chunk(chunk)
         if flow is not None:
