@@ -53,6 +53,7 @@ __all__ = [
 #: says whether a run includes it.
 DESIGNS: tuple[type[Design], ...] = (
     Naive,
+    PgJobsWithoutFlow,
     PgJobsDesign,
 )
 

@@ -181,3 +181,22 @@ class PgJobsDesign(Design):
             user_done_during_job=done_during,
             skipped_missing_parent=result.stats.skipped_missing_parent,
         )
+
+
+class PgJobsWithoutFlow(PgJobsDesign):
+    """The same jobs with ``flow = False``: the recompute holds the group's
+    lock from its start to its commit, and the worker is ``busy`` while it
+    computes (pgjobs before flow). Run with ``--naive``, for the comparison."""
+
+    name = "pgjobs, no flow"
+    schema_suffix = "noflow"
+    store_suffix = "noflowjobs"
+
+    @staticmethod
+    def wanted(opts: DemoOptions) -> bool:
+        return opts.naive
+
+    def __init__(self, engine: Engine, opts: DemoOptions, place: Place) -> None:
+        super().__init__(engine, opts, place)
+        self.worker_job = self.worker_job.replace(flow=False)
+        self.recompute_job = self.recompute_job.replace(flow=False)
