@@ -212,8 +212,10 @@ def run(
             database=url,
             registry=registry,
             check=not no_check,
-            on_result=None if metrics is None else metrics.observe,
+            on_result=_tracing(),
         )
+        if metrics is not None:
+            metrics.bind(scheduler)  # before the first tick: every tick is counted
         stop = threading.Event()
 
         def on_signal(signum: int, frame: object) -> None:
@@ -244,6 +246,14 @@ def run(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
+
+
+def _tracing() -> Callable[[RunResult], None] | None:
+    """OpenTelemetry spans for the runs, where ``opentelemetry-api`` is
+    installed (no-ops unless an SDK is configured)."""
+    from . import tracing
+
+    return tracing.Tracing().observe if tracing.available() else None
 
 
 def _serve(
