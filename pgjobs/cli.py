@@ -111,12 +111,12 @@ def _logging(
     pgjobs' own loggers log at ``default`` (INFO for ``run``: each run that
     did something, failures, backoffs); ``-v``: pgjobs' DEBUG too (every
     tick, even those that changed nothing, and tracebacks); ``-vv``: every
-    library's DEBUG (APScheduler, SQLAlchemy, psycopg). Other libraries
-    show warnings only, below ``-vv``."""
+    library's DEBUG (APScheduler, ...) and SQLAlchemy's statements
+    (INFO). Other libraries show warnings only, below ``-vv``."""
     from .logs import JsonFormatter, TextFormatter
 
     root, own = logging.getLogger(), logging.getLogger("pgjobs")
-    names = ("apscheduler", *quiet)
+    names = ("apscheduler", "sqlalchemy.engine", *quiet)
     saved = {name: logging.getLogger(name).level for name in names}
     saved_root, saved_own = root.level, own.level
     handler: logging.Handler | None = None
@@ -126,6 +126,8 @@ def _logging(
         root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
     own.setLevel(default if verbose == 0 else logging.DEBUG)
+    if verbose >= 2:  # SQLAlchemy sets its own loggers to WARNING on import
+        logging.getLogger("sqlalchemy.engine").setLevel(logging.INFO)
     if verbose == 0:
         for name in quiet:
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -140,7 +140,8 @@ def quiet_line(result: RunResult) -> str:
 def _log(logger: logging.Logger, level: int, message: str, data: dict[str, Any], **kw: Any) -> None:
     if logger.isEnabledFor(level):
         # "%s" so that a % in a job name or an error is not read as a format
-        logger.log(level, "%s", message, extra={FIELDS: data}, **kw)
+        # stacklevel: the record names the line that called ran()/failed()/quiet()
+        logger.log(level, "%s", message, extra={FIELDS: data}, stacklevel=3, **kw)
 
 
 def ran(logger: logging.Logger, result: RunResult, *, previous_failures: int = 0) -> None:
