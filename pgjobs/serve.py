@@ -289,7 +289,7 @@ class Server:
         except OSError as exc:
             raise PgJobsError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name=f"pgjobs-http-{port}", daemon=True
+            target=self._httpd.serve_forever, name=f"pgjobs-http-{self.address[1]}", daemon=True
         )
 
     @property
@@ -315,7 +315,9 @@ class Server:
         return [f"not found: {path}; try {', '.join(self.routes)}\n".encode()]
 
     def start(self) -> Server:
-        self._thread.start()
+        """Serve in the background (again: nothing)."""
+        if not self._thread.is_alive():
+            self._thread.start()
         return self
 
     def close(self) -> None:
