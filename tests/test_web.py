@@ -20,6 +20,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from fastapi import FastAPI
 from sqlalchemy import create_engine, text
@@ -379,3 +380,27 @@ def test_without_a_scheduler_the_app_says_what_is_missing() -> None:
     with TestClient(app) as client:
         response = client.get("/pgjobs/")
     assert response.status_code == 503 and "pgjobs.lifespan" in response.text
+
+
+def test_the_fastapi_example_mounts_the_page(db_url: str) -> None:
+    import importlib.util
+    import uuid
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "fastapi_app"
+    libpq = db_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute((example / "schema.sql").read_text(encoding="utf-8").encode())
+    name = f"example_fastapi_{uuid.uuid4().hex[:8]}"
+    spec = importlib.util.spec_from_file_location(name, example / "app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        with TestClient(module.create_app(db_url)) as client:
+            response = client.get("/pgjobs/")
+            assert response.status_code == 200
+            assert 'data-job="author-stats"' in response.text
+            assert 'href="/pgjobs/job/author-stats"' in response.text
+    finally:
+        sys.modules.pop(name, None)
