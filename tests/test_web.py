@@ -404,3 +404,46 @@ def test_the_fastapi_example_mounts_the_page(db_url: str) -> None:
             assert 'href="/pgjobs/job/author-stats"' in response.text
     finally:
         sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("option", "address", "message"),
+    [
+        (
+            "--http",
+            "localhost:http",
+            "--http: expected HOST:PORT (a port 0-65535), got 'localhost:http'",
+        ),
+        (
+            "--metrics",
+            "127.0.0.1:70000",
+            "--metrics: expected HOST:PORT (a port 0-65535), got '127.0.0.1:70000'",
+        ),
+        (
+            "--http",
+            "::1:8080",
+            "--http: write an IPv6 address in brackets ([::1]:9100), got '::1:8080'",
+        ),
+        ("--http", "a b:80", "--http: 'a b' is not a host name or address, in 'a b:80'"),
+    ],
+)
+def test_a_bad_address_exits_2_naming_the_option_and_value(
+    option: str, address: str, message: str
+) -> None:
+    from click.testing import CliRunner
+
+    from pgjobs.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", option, address], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"pgjobs: error: {message}\n"
+
+
+def test_addresses() -> None:
+    from pgjobs.serve import parse_address
+
+    assert parse_address("9100") == ("127.0.0.1", 9100)
+    assert parse_address(":9100") == ("127.0.0.1", 9100)
+    assert parse_address("0.0.0.0:9100") == ("0.0.0.0", 9100)
+    assert parse_address("[::1]:0") == ("::1", 0)
+    assert parse_address("localhost:8080") == ("localhost", 8080)
