@@ -96,7 +96,6 @@ BUCKETS = (
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 OUTCOMES = tuple(str(o) for o in Outcome)
-PHASES = ("compute", "write", "row_locks")
 CHANGES = ("inserted", "updated", "deleted", "skipped", "deferred")
 ITEM_RESULTS = ("processed", "failed", "parent_gone")
 
@@ -201,20 +200,18 @@ class Metrics:
             lag.observe(max(seconds, 0.0))
 
     def _declare(self, source: Source) -> None:
-        """Every series of the known jobs, at zero (a counter that appears
-        only at its first increment hides that increment from ``rate()``)."""
+        """The counters of the known jobs, at zero (a counter that appears
+        only at its first increment hides that increment from ``rate()``).
+        Histograms appear with their first observation: declared empty, ten
+        jobs' took a cached scrape from 7 ms to 29 ms for nothing."""
         for name, job in source.jobs.items():
             for outcome in OUTCOMES:
                 self.runs.labels(name, outcome)
-            self.duration.labels(name)
-            for phase in PHASES:
-                self.phase.labels(name, phase)
             for change in CHANGES:
                 self.rows.labels(name, change)
             if job.kind == "queue":
                 for result in ITEM_RESULTS:
                     self.items.labels(name, result)
-                self.lag.labels(name)
 
     # -- what the database says --------------------------------------------------------
     def bind(self, target: Scheduler | Source) -> Metrics:
