@@ -89,23 +89,45 @@ def _errors() -> Iterator[None]:
         sys.exit(EXIT_FAILED)
 
 
+def _log_format(func: F) -> F:
+    return click.option(
+        "--log-format",
+        type=click.Choice(["text", "json"]),
+        default="text",
+        show_default=True,
+        envvar="PGJOBS_LOG_FORMAT",
+        help="Log lines as text, or as JSON objects with the same fields (for log shippers);"
+        " also $PGJOBS_LOG_FORMAT.",
+    )(func)
+
+
 @contextlib.contextmanager
-def _logging(verbose: int, default: int, *, quiet: Sequence[str] = ()) -> Iterator[None]:
+def _logging(
+    verbose: int, default: int, *, quiet: Sequence[str] = (), log_format: str = "text"
+) -> Iterator[None]:
     """Configure logging for one command (the library never does), and put
-    it back afterwards, so that commands invoked in-process leave no trace."""
-    level = default if verbose == 0 else (logging.INFO if verbose == 1 else logging.DEBUG)
-    root = logging.getLogger()
-    names = ("apscheduler", *quiet)
+    it back afterwards, so that commands invoked in-process leave no trace.
+
+    pgjobs' own loggers log at ``default`` (INFO for ``run``: each run that
+    did something, failures, backoffs); ``-v``: pgjobs' DEBUG too (every
+    tick, even those that changed nothing, and tracebacks); ``-vv``: every
+    library's DEBUG (APScheduler, ...) and SQLAlchemy's statements
+    (INFO). Other libraries show warnings only, below ``-vv``."""
+    from .logs import JsonFormatter, TextFormatter
+
+    root, own = logging.getLogger(), logging.getLogger("pgjobs")
+    names = ("apscheduler", "sqlalchemy.engine", *quiet)
     saved = {name: logging.getLogger(name).level for name in names}
-    saved_root = root.level
+    saved_root, saved_own = root.level, own.level
     handler: logging.Handler | None = None
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
         root.addHandler(handler)
-    root.setLevel(level)
-    if verbose < 2:
-        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+    own.setLevel(default if verbose == 0 else logging.DEBUG)
+    if verbose >= 2:  # SQLAlchemy sets its own loggers to WARNING on import
+        logging.getLogger("sqlalchemy.engine").setLevel(logging.INFO)
     if verbose == 0:
         for name in quiet:
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -113,6 +135,7 @@ def _logging(verbose: int, default: int, *, quiet: Sequence[str] = ()) -> Iterat
         yield
     finally:
         root.setLevel(saved_root)
+        own.setLevel(saved_own)
         for name, value in saved.items():
             logging.getLogger(name).setLevel(value)
         if handler is not None:
@@ -135,16 +158,51 @@ def cli() -> None:
 @cli.command()
 @_common
 @_verbosity
+@_log_format
 @click.option("--no-check", is_flag=True, help="Skip checking the jobs against the database first.")
-def run(config_path: str | None, database: str | None, verbose: int, no_check: bool) -> None:
+@click.option(
+    "--http",
+    "http_address",
+    metavar="ADDRESS",
+    default=None,
+    help="Serve the status page on HOST:PORT (a port alone: 127.0.0.1; 0.0.0.0:PORT: every"
+    " interface).",
+)
+@click.option(
+    "--metrics",
+    "metrics_address",
+    metavar="ADDRESS",
+    default=None,
+    help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs[metrics]); may be"
+    " the --http address.",
+)
+def run(
+    config_path: str | None,
+    database: str | None,
+    verbose: int,
+    log_format: str,
+    no_check: bool,
+    http_address: str | None,
+    metrics_address: str | None,
+) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT.
 
     The first signal stops firing and waits for the running transactions to
     commit or roll back; a second one exits at once (PostgreSQL rolls back).
     """
     from .scheduler import Scheduler
+    from .serve import parse_address
 
-    with _errors(), _logging(verbose, logging.INFO):
+    with _errors(), _logging(verbose, logging.INFO, log_format=log_format):
+        http = None if http_address is None else parse_address(http_address, option="--http")
+        scrape = (
+            None if metrics_address is None else parse_address(metrics_address, option="--metrics")
+        )
+        metrics = None
+        if scrape is not None:
+            from .metrics import Metrics
+
+            metrics = Metrics(process=True)
         config, registry, url = _load(config_path, database)
         if not registry.jobs(enabled_only=True):
             raise ConfigError(
@@ -152,8 +210,14 @@ def run(config_path: str | None, database: str | None, verbose: int, no_check: b
                 f"or declare jobs in {config.path or 'pgjobs.toml'}"
             )
         scheduler = Scheduler.from_config(
-            config, database=url, registry=registry, check=not no_check
+            config,
+            database=url,
+            registry=registry,
+            check=not no_check,
+            on_result=_tracing(),
         )
+        if metrics is not None:
+            metrics.bind(scheduler)  # before the first tick: every tick is counted
         stop = threading.Event()
 
         def on_signal(signum: int, frame: object) -> None:
@@ -165,8 +229,10 @@ def run(config_path: str | None, database: str | None, verbose: int, no_check: b
             stop.set()
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        servers: list[Any] = []
         try:
             scheduler.start()
+            servers = _serve(scheduler, http, scrape, metrics)
             jobs = registry.jobs(enabled_only=True)
             click.echo(
                 f"pgjobs: running {len(jobs)} job(s): {', '.join(j.name for j in jobs)}; "
@@ -176,10 +242,48 @@ def run(config_path: str | None, database: str | None, verbose: int, no_check: b
             stop.wait()
             click.echo("pgjobs: stopping; waiting for running jobs to finish", err=True)
         finally:
+            for server in servers:
+                server.close()
             scheduler.shutdown(wait=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
+
+
+def _tracing() -> Callable[[RunResult], None] | None:
+    """OpenTelemetry spans for the runs, where ``opentelemetry-api`` is
+    installed (no-ops unless an SDK is configured)."""
+    from . import tracing
+
+    return tracing.Tracing().observe if tracing.available() else None
+
+
+def _serve(
+    scheduler: Any, http: tuple[str, int] | None, scrape: tuple[str, int] | None, metrics: Any
+) -> list[Any]:
+    """The status page and the metrics, on one server when they share an address."""
+    from .serve import serve
+    from .web import wsgi_app
+
+    routes: dict[tuple[str, int], dict[str, Any]] = {}
+    if http is not None:
+        routes.setdefault(http, {})["/"] = wsgi_app(scheduler)
+    if scrape is not None and metrics is not None:
+        routes.setdefault(scrape, {})["/metrics"] = metrics.wsgi_app(scheduler)
+    servers = []
+    try:
+        for address, apps in routes.items():
+            server = serve(address, apps)
+            servers.append(server)
+            if "/" in apps:
+                click.echo(f"pgjobs: status page at {server.url}/", err=True)
+            if "/metrics" in apps:
+                click.echo(f"pgjobs: metrics at {server.url}/metrics", err=True)
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return servers
 
 
 # -- once ----------------------------------------------------------------------------

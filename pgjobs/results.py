@@ -55,6 +55,8 @@ class Execution:
     items: int = 0  #: queue items processed (queue jobs)
     failed_items: int = 0  #: queue items that failed and were isolated (queue jobs)
     detail: dict[str, Any] = field(default_factory=dict)
+    #: per processed queue item, seconds from its enqueue to the end of the writes
+    queue_lag: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +80,9 @@ class RunResult:
     retry_after: timedelta | None = None
     run_id: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    #: per processed queue item, seconds from its enqueue to the end of the
+    #: writes (for metrics; not stored in the run log)
+    queue_lag: tuple[float, ...] = ()
 
     @property
     def seconds(self) -> float:

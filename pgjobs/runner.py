@@ -28,6 +28,7 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 
+from . import logs
 from ._pg import (
     abandon,
     connection_lost,
@@ -409,7 +410,7 @@ class _Tick:
         finally:
             if self.session_locked:
                 self._release_session_lock()
-        log.info("pgjobs: %s ran in %.3fs: %s", job.name, result.seconds, result.stats)
+        logs.ran(log, result, previous_failures=self.state.failures if self.state else 0)
         self._after_commit()
         return result
 
@@ -515,6 +516,7 @@ class _Tick:
             failed_items=execution.failed_items,
             next_attempt_at=next_attempt,
             detail=dict(execution.detail),
+            queue_lag=execution.queue_lag,
         )
         self._queue_before_commit()
         # deferred constraints are checked here, under the savepoint: a
@@ -584,13 +586,6 @@ class _Tick:
         failures = (state.failures if state else 0) + 1
         next_attempt = self.runner.clock() + job.backoff_policy.delay(failures)
         sqlstate = sqlstate_of(exc) or ("08006" if connection_lost(exc) else None)
-        log.error(
-            "pgjobs: %s failed (%s), next attempt at %s",
-            job.name,
-            sqlstate or type(exc).__name__,
-            next_attempt.isoformat(),
-            exc_info=exc,
-        )
         result = RunResult(
             job=job.name,
             outcome=Outcome.FAILED,
@@ -600,6 +595,7 @@ class _Tick:
             sqlstate=sqlstate,
             next_attempt_at=next_attempt,
         )
+        logs.failed(log, result, failures=failures, exc=exc)
         return _Failure(result=result, failures=failures, started_at=self.started)
 
     def _fail_locked(self, exc: Exception) -> RunResult:
@@ -645,6 +641,7 @@ class _Tick:
             **fields,
         )
         self.runner.quiet.count(result)
+        logs.quiet(log, result)
         return result
 
 

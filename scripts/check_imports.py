@@ -7,12 +7,12 @@
 
 Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
-    face         cli, scheduler, api, testing, demo, web, metrics, __init__
+    face         cli, scheduler, api, testing, demo, web, metrics, tracing, serve, __init__
     definitions  checks, registry, config, hookspecs
     protocol     runner
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, locking, database, embedded
-    model        jobs, results, errors, durations, backoff
+    model        jobs, results, errors, durations, backoff, logs
     base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
 
 A module not listed is refused: put it on a floor. Exit 1 with what is
@@ -30,7 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent / "pgjobs"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "face",
-        {"__init__", "__main__", "cli", "scheduler", "api", "testing", "demo", "web", "metrics"},
+        {
+            "__init__",
+            "__main__",
+            "cli",
+            "scheduler",
+            "api",
+            "testing",
+            "demo",
+            "web",
+            "metrics",
+            "tracing",
+            "serve",
+        },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs"}),
     ("protocol", {"runner"}),
@@ -49,7 +61,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "listener",
         },
     ),
-    ("model", {"jobs", "results", "errors", "durations", "backoff"}),
+    ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),
     ("base", {"_pg"}),
 ]
 

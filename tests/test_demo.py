@@ -78,15 +78,15 @@ def test_naive_and_pgjobs_side_by_side(db_url: str) -> None:
     assert naive.deletes + naive.merges > 0
 
     summary = format_report(report)
-    assert any(line.split() == ["naive", "pgjobs"] for line in summary.splitlines())
+    assert any(line.split() == ["naive", "no-flow", "pgjobs"] for line in summary.splitlines())
     deadlock_line = next(
         line for line in summary.splitlines() if line.startswith("deadlocks (40P01)")
     )
-    assert deadlock_line.split()[-2:] == [str(naive.deadlocks), "0"]
+    assert deadlock_line.split()[-3:] == [str(naive.deadlocks), "0", "0"]
     fk_line = next(
         line for line in summary.splitlines() if line.startswith("FK violations (23503)")
     )
-    assert fk_line.split()[-2:] == [str(naive.fk_violations), "0"]
+    assert fk_line.split()[-3:] == [str(naive.fk_violations), "0", "0"]
     assert "failed with 40P01" in summary and "failed with 23503" in summary
     # Progress: a line per second or so on stderr, for each design.
     progress = err.getvalue().splitlines()
@@ -112,7 +112,7 @@ def test_the_report_shows_each_designs_queue_lag(db_url: str) -> None:
     summary = format_report(report).splitlines()
     lag_line = next(line for line in summary if line.startswith("queue lag p50 / p95 / max"))
     shown = []
-    for design in ("naive", "pgjobs"):
+    for design in ("naive", "no-flow", "pgjobs"):
         phase = report.phase(design)
         # Users changed and merged exams (each change enqueues one), and the
         # worker processed some of them: each processing is one lag.
@@ -127,8 +127,8 @@ def test_the_report_shows_each_designs_queue_lag(db_url: str) -> None:
     # One column per design, in the report's order.
     assert lag_line.removeprefix("queue lag p50 / p95 / max").split() == " ".join(shown).split()
     measured = next(line for line in summary if line.startswith("queue lag: items measured"))
-    assert measured.split()[-2:] == [
-        f"{len(report.phase(d).queue_lags):,}" for d in ("naive", "pgjobs")
+    assert measured.split()[-3:] == [
+        f"{len(report.phase(d).queue_lags):,}" for d in ("naive", "no-flow", "pgjobs")
     ]
     # pgjobs loses no enqueued change: each was processed by the end of the drain.
     assert report.phase("pgjobs").unprocessed == 0

@@ -7,7 +7,7 @@
   off the event loop.
 * A request handler writes and enqueues in one transaction
   (``pgjobs.enqueue``): the worker sees the change, or the item not at all.
-* ``GET /jobs/status`` serves the jobs' status as JSON.
+* ``GET /jobs/status`` serves the jobs' status as JSON; ``/pgjobs/`` the status page.
 
 Run it::
 
@@ -34,6 +34,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 
 import pgjobs
+import pgjobs.web
 from pgjobs.queue import queue_stats
 
 CONFIG = Path(__file__).with_name("pgjobs.toml")
@@ -92,6 +93,7 @@ def create_app(database: str | None = None) -> FastAPI:
             engine.dispose()
 
     app = FastAPI(title="pgjobs FastAPI example", lifespan=lifespan)
+    app.mount("/pgjobs", pgjobs.web.asgi_app())  # the status page, of the lifespan's scheduler
 
     @app.post("/authors/{author_id}/posts", status_code=201)
     def add_post(author_id: int, post: NewPost, request: Request) -> dict[str, Any]:

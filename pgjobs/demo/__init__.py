@@ -33,7 +33,7 @@ from pgjobs.database import ENV_URL, normalize_url
 
 from .design import Design, Place
 from .naive import Naive
-from .pgjobs_design import PgJobsDesign
+from .pgjobs_design import PgJobsDesign, PgJobsWithoutFlow
 from .report import DemoReport, PhaseReport, Scripted, format_report, healthy
 from .scenario import DEADLOCK, FK_VIOLATION, DemoOptions, admin, build, schema_engine
 from .timed import timed_run

@@ -11,6 +11,7 @@ transaction has committed. See ``design.py`` for the interface and
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import UTC, datetime
@@ -188,7 +189,7 @@ class PgJobsWithoutFlow(PgJobsDesign):
     lock from its start to its commit, and the worker is ``busy`` while it
     computes (pgjobs before flow). Run with ``--naive``, for the comparison."""
 
-    name = "pgjobs, no flow"
+    name = "no-flow"
     schema_suffix = "noflow"
     store_suffix = "noflowjobs"
 
@@ -198,5 +199,8 @@ class PgJobsWithoutFlow(PgJobsDesign):
 
     def __init__(self, engine: Engine, opts: DemoOptions, place: Place) -> None:
         super().__init__(engine, opts, place)
-        self.worker_job = self.worker_job.replace(flow=False)
-        self.recompute_job = self.recompute_job.replace(flow=False)
+        self.worker_job = dataclasses.replace(self.worker_job, flow=False)
+        self.recompute_job = dataclasses.replace(self.recompute_job, flow=False)
+
+    def scripted(self) -> list[Scripted]:
+        return []  # the same interleaving as pgjobs': flow changes nothing in it

@@ -57,6 +57,9 @@ class _Batch:
     rows_deferred: int = 0
     failed: dict[str, BaseException] = field(default_factory=dict)
     attempts_of: dict[str, int] = field(default_factory=dict)
+    #: seconds since each claimed item's enqueue, at the claim (database clock)
+    age_of: dict[str, float] = field(default_factory=dict)
+    claimed_at: float = 0.0  #: time.perf_counter() at the claim
 
 
 def _is_run_level(exc: BaseException) -> bool:

@@ -12,6 +12,7 @@ plugin; its items' parents are then locked here the same way.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import psycopg
@@ -75,9 +76,11 @@ class Claiming(Base):
         deferred: list[str] = []
         # Items neither listed as claimed nor deferred have an entry that a
         # user's transaction holds (an uncommitted enqueue): skipped.
-        for item, attempts, is_gone, claimed in result:
+        self.batch.claimed_at = time.perf_counter()
+        for item, attempts, is_gone, claimed, age in result:
             if claimed:
                 self.batch.attempts_of[item] = attempts
+                self.batch.age_of[item] = age
                 (gone if is_gone else ok).append(item)
             else:
                 deferred.append(item)
@@ -132,8 +135,8 @@ class Claiming(Base):
         lock ever waited for: an item whose parent a user holds is not claimed
         at all, so that user's enqueue never waits for the worker.
 
-        Rows: (item, attempts, gone, claimed) for claimed entries, then
-        (item, null, false, false) for deferred items."""
+        Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
+        claimed entries, then (item, null, false, false, null) for deferred items."""
         return sql.SQL(
             "with due as materialized (select key as item from {q} where job = %(job)s"
             " and dead_at is null and not_before <= now() order by key limit %(n)s), {classify},"
@@ -141,32 +144,38 @@ class Claiming(Base):
             # plan can turn it into a scan of the job's whole queue). No need
             # to test dead_at and not_before again: only a worker of the job's
             # group changes them, and this one holds the group lock.
-            " c as materialized (select e.key, e.attempts from s, lateral"
-            " (select q.key, q.attempts from {q} as q where q.job = %(job)s and q.key = s.item"
-            " for update of q skip locked) as e where s.locked or not s.present)"
+            " c as materialized (select e.key, e.attempts, e.enqueued_at from s, lateral"
+            " (select q.key, q.attempts, q.enqueued_at from {q} as q where q.job = %(job)s"
+            " and q.key = s.item for update of q skip locked) as e where s.locked or not s.present)"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
-            " true from c"
-            " union all select s.item::text, null, false, false from s"
+            " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8 from c"
+            " union all select s.item::text, null, false, false, null from s"
             " where s.present and not s.locked"
         ).format(q=self.queue, classify=self._classify_ctes(sql.SQL("due")))
 
     def _claim_rows(self, wanted: list[str] | None) -> list[str]:
         if wanted is None:
             query = sql.SQL(
-                "select key::text, attempts from {} where job = %s and dead_at is null"
+                "select key::text, attempts,"
+                " extract(epoch from clock_timestamp() - enqueued_at)::float8 from {}"
+                " where job = %s and dead_at is null"
                 " and not_before <= now() order by key limit %s for update skip locked"
             ).format(self.queue)
             params: tuple[Any, ...] = (self.job.name, self.job.batch_size)
         else:
             query = sql.SQL(
-                "select key::text, attempts from {} where job = %s"
+                "select key::text, attempts,"
+                " extract(epoch from clock_timestamp() - enqueued_at)::float8 from {}"
+                " where job = %s"
                 " and key = any(%s::text[]::jsonb[]) and dead_at is null and not_before <= now()"
                 " order by key for update skip locked"
             ).format(self.queue)
             params = (self.job.name, wanted)
         rows = self.raw.execute(query, params).fetchall()
-        for item, attempts in rows:
+        self.batch.claimed_at = time.perf_counter()
+        for item, attempts, age in rows:
             self.batch.attempts_of[item] = attempts
+            self.batch.age_of[item] = age
         return [r[0] for r in rows]
 
     def _claim_own(self) -> tuple[list[str], list[str], list[str], dict[str, BaseException]]:

@@ -54,6 +54,7 @@ class Worker(Claiming):
             if self.batch.failed:
                 dead = self._record_failures()
         b = self.batch
+        since_claim = time.perf_counter() - b.claimed_at
         return Execution(
             stats=b.stats,
             compute_seconds=b.compute_seconds,
@@ -69,6 +70,7 @@ class Worker(Claiming):
                 "rows_deferred": b.rows_deferred,
                 "dead": dead,
             },
+            queue_lag=tuple(b.age_of[i] + since_claim for i in b.done if i in b.age_of),
         )
 
     # -- 3 + 4 + 5, with per-item isolation ----------------------------------------------

@@ -1,0 +1,418 @@
+"""Prometheus metrics (the ``metrics`` extra: ``pip install 'pgjobs[metrics]'``).
+
+Two kinds of figures:
+
+* what this process's ticks did, counted as they end (feed
+  :meth:`Metrics.observe` every :class:`~pgjobs.RunResult`; a scheduler's
+  ``on_result`` does, once :meth:`Metrics.bind` is called):
+
+  ==========================================  ===================================
+  ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed, idle,
+                                              busy, not_due, backing_off
+  ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
+  ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
+                                              lock to the end of the writes)
+  ``pgjobs_rows_total{job,change}``           inserted, updated, deleted,
+                                              skipped (parent gone), deferred
+  ``pgjobs_queue_items_total{job,result}``    processed, failed, parent_gone
+  ``pgjobs_queue_lag_seconds{job}``           enqueue to processed, per item
+  ==========================================  ===================================
+
+* what the database says, read at scrape time in one statement (cached for
+  ``cache_seconds``), so that every replica reports the same truth:
+  ``pgjobs_queue_depth``, ``pgjobs_queue_due``, ``pgjobs_queue_retrying``,
+  ``pgjobs_queue_dead``, ``pgjobs_queue_oldest_due_age_seconds``,
+  ``pgjobs_job_failures`` (consecutive), ``pgjobs_job_backing_off`` (0/1),
+  ``pgjobs_job_last_success_timestamp_seconds``, all by ``job``; and
+  ``pgjobs_database_up`` (0 when that read failed).
+
+Labels are the job's name and fixed words: the series grow with the number
+of jobs, nothing else. pgjobs registers nothing in ``prometheus_client``'s
+global registry: a :class:`Metrics` has a ``CollectorRegistry`` of its own
+unless given one::
+
+    metrics = pgjobs.metrics.Metrics()
+    app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml", on_result=metrics.observe))
+    app.mount("/metrics", metrics.asgi_app())   # finds the lifespan's scheduler
+
+``pgjobs run --metrics 127.0.0.1:9100`` serves ``/metrics`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from psycopg import sql
+
+from ._pg import execute, set_local
+from .errors import PgJobsError
+from .results import Outcome, RunResult
+from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    raise PgJobsError(
+        "pgjobs.metrics needs prometheus-client: pip install 'pgjobs[metrics]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+#: seconds; row-lock windows are milliseconds, recomputes minutes
+BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
+#: seconds from enqueue to processed: from a wake-up (ms) to a backlog (hours)
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+OUTCOMES = tuple(str(o) for o in Outcome)
+CHANGES = ("inserted", "updated", "deleted", "skipped", "deferred")
+ITEM_RESULTS = ("processed", "failed", "parent_gone")
+
+
+class Metrics:
+    """pgjobs' metrics in ``registry`` (a new ``CollectorRegistry`` unless
+    given). :meth:`observe` counts a tick; :meth:`bind` reads the database
+    of a scheduler (or :class:`~pgjobs.serve.Source`) at scrape time and
+    makes the scheduler feed :meth:`observe`. ``process`` adds
+    ``prometheus_client``'s ``process_*`` figures (``pgjobs run`` does)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        cache_seconds: float = 5.0,
+        statement_timeout: float = 5.0,
+        process: bool = False,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        if process:  # the process's CPU, memory and file descriptors (process_*)
+            ProcessCollector(registry=r)
+        self.runs = Counter(
+            "pgjobs_runs",
+            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off).",
+            ["job", "outcome"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pgjobs_run_duration_seconds",
+            "Wall time of each run that ran or failed.",
+            ["job"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "pgjobs_run_phase_seconds",
+            "Phases of each run that ran: compute (no row locks), write, and row_locks"
+            " (from the first row lock to the end of the writes).",
+            ["job", "phase"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.rows = Counter(
+            "pgjobs_rows",
+            "Rows of the target table: inserted, updated, deleted; skipped (their parent"
+            " was gone) and deferred (their parent was locked by a user).",
+            ["job", "change"],
+            registry=r,
+        )
+        self.items = Counter(
+            "pgjobs_queue_items",
+            "Queue items taken by the worker: processed, failed, parent_gone (dropped).",
+            ["job", "result"],
+            registry=r,
+        )
+        self.lag = Histogram(
+            "pgjobs_queue_lag_seconds",
+            "Seconds from an item's enqueue to the end of the writes that processed it.",
+            ["job"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.database = _DatabaseCollector(cache_seconds, statement_timeout)
+        r.register(self.database)
+        self._bound: set[int] = set()
+        self._lock = threading.Lock()
+
+    # -- what ticks did ----------------------------------------------------------------
+    def observe(self, result: RunResult) -> None:
+        """Count one tick (a scheduler's ``on_result``)."""
+        job = result.job
+        self.runs.labels(job, str(result.outcome)).inc()
+        if result.outcome not in (Outcome.RAN, Outcome.FAILED):
+            return
+        self.duration.labels(job).observe(max(result.seconds, 0.0))
+        if result.outcome is not Outcome.RAN:
+            return
+        self.phase.labels(job, "compute").observe(result.compute_seconds)
+        self.phase.labels(job, "write").observe(result.write_seconds)
+        self.phase.labels(job, "row_locks").observe(result.lock_seconds)
+        s, detail = result.stats, result.detail
+        for change, n in (
+            ("inserted", s.inserted),
+            ("updated", s.updated),
+            ("deleted", s.deleted),
+            ("skipped", s.skipped_missing_parent),
+            ("deferred", int(detail.get("rows_deferred", 0) or 0)),
+        ):
+            if n:
+                self.rows.labels(job, change).inc(n)
+        for name, n in (
+            ("processed", result.items),
+            ("failed", result.failed_items),
+            ("parent_gone", int(detail.get("parent_gone", 0) or 0)),
+        ):
+            if n:
+                self.items.labels(job, name).inc(n)
+        lag = self.lag.labels(job)
+        for seconds in result.queue_lag:
+            lag.observe(max(seconds, 0.0))
+
+    def _declare(self, source: Source) -> None:
+        """The counters of the known jobs, at zero (a counter that appears
+        only at its first increment hides that increment from ``rate()``).
+        Histograms appear with their first observation: declared empty, ten
+        jobs' took a cached scrape from 7 ms to 29 ms for nothing."""
+        for name, job in source.jobs.items():
+            for outcome in OUTCOMES:
+                self.runs.labels(name, outcome)
+            for change in CHANGES:
+                self.rows.labels(name, change)
+            if job.kind == "queue":
+                for result in ITEM_RESULTS:
+                    self.items.labels(name, result)
+
+    # -- what the database says --------------------------------------------------------
+    def bind(self, target: Scheduler | Source) -> Metrics:
+        """Read ``target``'s database at scrape time; a scheduler's ticks
+        are counted from now on (its ``on_result`` is chained, once)."""
+        source = Source.of(target)
+        self.database.source = source
+        self._declare(source)
+        if isinstance(target, Source):
+            return self
+        with self._lock:
+            if id(target) in self._bound:
+                return self
+            self._bound.add(id(target))
+        previous: Callable[[RunResult], None] | None = getattr(target, "on_result", None)
+        if previous is not None and previous == self.observe:
+            return self  # its on_result is this object's observe already
+        if previous is None:
+            target.on_result = self.observe
+        else:
+
+            def both(result: RunResult) -> None:
+                try:
+                    previous(result)
+                finally:
+                    self.observe(result)
+
+            target.on_result = both
+        return self
+
+    # -- exposition -----------------------------------------------------------------------
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+    def _handler(self, source: Source, request: Request) -> Response:
+        if self.database.source is None:
+            self.database.source = source
+        return Response(200, self.exposition(), content_type=CONTENT_TYPE_LATEST)
+
+    def asgi_app(self, source: Scheduler | Source | None = None) -> ASGIApp:
+        """An ASGI app serving :meth:`exposition` (mount it at ``/metrics``).
+
+        With no ``source``, the scheduler of the app's :func:`pgjobs.lifespan`
+        is bound on the first scrape; its ticks before that are not counted,
+        so pass ``on_result=metrics.observe`` to the lifespan as well (or
+        bind the scheduler yourself) to count them all.
+        """
+        return asgi(self._handler, source, on_source=self.bind)
+
+    def wsgi_app(self, source: Scheduler | Source) -> WSGIApp:
+        """A WSGI app serving :meth:`exposition` (``pgjobs run --metrics``)."""
+        self.bind(source)
+        return wsgi(self._handler, source)
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    job: str
+    failures: int | None
+    backing_off: bool | None
+    last_success: float | None
+    queued: bool
+    depth: int
+    due: int
+    retrying: int
+    dead: int
+    oldest_due: float
+
+
+class _DatabaseCollector(Collector):
+    """The queue and job-state gauges, read at scrape time (one statement,
+    read-only, with a statement timeout), cached for ``cache_seconds``."""
+
+    def __init__(self, cache_seconds: float, statement_timeout: float) -> None:
+        self.source: Source | None = None
+        self.cache_seconds = cache_seconds
+        self.statement_timeout = statement_timeout
+        self._lock = threading.Lock()
+        self._cached: tuple[float, list[_Row] | None] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # the families depend on the database: nothing to check at registration
+
+    def _query(self, schema: str) -> sql.Composed:
+        return sql.SQL(
+            "with q as (select job, count(*) filter (where dead_at is null) as depth,"
+            " count(*) filter (where dead_at is null and not_before <= now()) as due,"
+            " count(*) filter (where dead_at is null and attempts > 0) as retrying,"
+            " count(*) filter (where dead_at is not null) as dead,"
+            " extract(epoch from now() - min(enqueued_at)"
+            " filter (where dead_at is null and not_before <= now()))::float8 as oldest_due"
+            " from {queue} group by job)"
+            " select coalesce(s.job, q.job), s.failures, s.next_attempt_at > now(),"
+            " extract(epoch from s.last_success_at)::float8, q.job is not null,"
+            " coalesce(q.depth, 0), coalesce(q.due, 0), coalesce(q.retrying, 0),"
+            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0)"
+            " from {state} s full join q on q.job = s.job order by 1"
+        ).format(queue=sql.Identifier(schema, "queue"), state=sql.Identifier(schema, "job_state"))
+
+    def read(self) -> list[_Row] | None:
+        """The rows (cached), or ``None`` when the database did not answer."""
+        source = self.source
+        if source is None:
+            return []
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is not None and now - self._cached[0] < self.cache_seconds:
+                return self._cached[1]
+            rows: list[_Row] | None
+            try:
+                settings = {
+                    "transaction_read_only": "on",
+                    "statement_timeout": f"{int(self.statement_timeout * 1000)}ms",
+                }
+                with source.engine.connect() as conn, conn.begin():
+                    execute(conn, *set_local(settings))
+                    found = execute(conn, self._query(source.schema)).fetchall()
+                rows = [_Row(*r) for r in found]
+            except Exception:
+                log.warning(
+                    "pgjobs: metrics: could not read the queue and job states", exc_info=True
+                )
+                rows = None
+            self._cached = (time.monotonic(), rows)
+            return rows
+
+    def collect(self) -> Iterator[Metric]:
+        source = self.source
+        if source is None:
+            return
+        rows = self.read()
+        up = GaugeMetricFamily(
+            "pgjobs_database_up",
+            "1 when the scrape-time read of pgjobs' tables succeeded, else 0.",
+            value=0 if rows is None else 1,
+        )
+        yield up
+        if rows is None:
+            return
+        by_job = {r.job: r for r in rows}
+        # jobs of the built-in queue: every known one (an empty queue is 0),
+        # and any other job the table holds items for
+        queue_jobs = [
+            name
+            for name, job in source.jobs.items()
+            if job.kind == "queue" and getattr(job, "claim", None) is None
+        ]
+        queue_jobs += sorted(r.job for r in rows if r.queued and r.job not in source.jobs)
+        families = _gauges(
+            [
+                ("pgjobs_queue_depth", "Live items in the job's queue (due or waiting to retry)."),
+                ("pgjobs_queue_due", "Live items that may be claimed now."),
+                ("pgjobs_queue_retrying", "Live items that failed and wait for another attempt."),
+                ("pgjobs_queue_dead", "Parked items (failed max_attempts times)."),
+                (
+                    "pgjobs_queue_oldest_due_age_seconds",
+                    "Age of the oldest due item since its enqueue (0 when none is due).",
+                ),
+            ]
+        )
+        for name in queue_jobs:
+            row = by_job.get(name)
+            values = (
+                (0, 0, 0, 0, 0.0)
+                if row is None or not row.queued
+                else (row.depth, row.due, row.retrying, row.dead, row.oldest_due)
+            )
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([name], value)
+        yield from families
+        states = _gauges(
+            [
+                ("pgjobs_job_failures", "Consecutive failures of the job (0 after a success)."),
+                (
+                    "pgjobs_job_backing_off",
+                    "1 while the job waits out its backoff after a failure.",
+                ),
+                (
+                    "pgjobs_job_last_success_timestamp_seconds",
+                    "When the job last ran successfully (Unix time).",
+                ),
+            ]
+        )
+        names = [*source.jobs, *sorted(r.job for r in rows if r.job not in source.jobs)]
+        for name in names:
+            row = by_job.get(name)
+            if row is None or row.failures is None:
+                if name in source.jobs:
+                    states[0].add_metric([name], 0)
+                    states[1].add_metric([name], 0)
+                continue
+            states[0].add_metric([name], row.failures)
+            states[1].add_metric([name], 1 if row.failures > 0 and row.backing_off else 0)
+            if row.last_success is not None:
+                states[2].add_metric([name], row.last_success)
+        yield from states
+
+
+def _gauges(specs: Sequence[tuple[str, str]]) -> list[GaugeMetricFamily]:
+    return [GaugeMetricFamily(name, doc, labels=["job"]) for name, doc in specs]
+
+
+__all__ = ["BUCKETS", "LAG_BUCKETS", "Metrics"]
