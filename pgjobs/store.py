@@ -303,18 +303,23 @@ class Store:
         found = execute(conn, "select to_regclass(%s) is not null", (state_table,)).fetchone()
         if not (found and found[0]):
             return Status(now=now[0], installed=False)
+        # Each job's latest run by one probe of the (job, started_at) index:
+        # a DISTINCT ON over the whole run log took 450 ms at 100k runs.
         latest = sql.SQL(
-            "select distinct on (job) * from {} {} order by job, started_at desc, id desc"
+            "select r.* from {state} as s, lateral (select * from {run} as r"
+            " where r.job = s.job {only} order by r.started_at desc, r.id desc limit 1) as r"
         )
+        state, run = self.table("job_state"), self.table("run")
         return Status(
             now=now[0],
             installed=True,
-            states=_rows_by_job(
-                execute(conn, sql.SQL("select * from {}").format(self.table("job_state")))
-            ),
-            last=_rows_by_job(execute(conn, latest.format(self.table("run"), sql.SQL("")))),
+            states=_rows_by_job(execute(conn, sql.SQL("select * from {}").format(state))),
+            last=_rows_by_job(execute(conn, latest.format(state=state, run=run, only=sql.SQL("")))),
             last_ran=_rows_by_job(
-                execute(conn, latest.format(self.table("run"), sql.SQL("where outcome = 'ran'")))
+                execute(
+                    conn,
+                    latest.format(state=state, run=run, only=sql.SQL("and r.outcome = 'ran'")),
+                )
             ),
         )
 
