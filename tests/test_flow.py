@@ -464,3 +464,46 @@ def test_q_a_pending_item_changed_and_enqueued_again_uncommitted_waits_for_the_c
         user.commit()
     case.drain()
     assert case.wrong() == []
+
+
+# -- a short soak ---------------------------------------------------------------------------------
+def test_a_short_soak_ends_exact_with_no_error(db_url: str) -> None:
+    """benchmarks/flow_soak.py, short: two schedulers running the worker,
+    users changing, inserting and deleting items with their enqueue, a
+    recompute with drift every 2 s. No error; right after each recompute
+    commits every item is exact or pending; after the queue drained, with
+    no extra recompute, every item is exact. (Its lag figures are the
+    benchmark's business, not this test's.)"""
+    import argparse
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("flow_soak", bench / "flow_soak.py")
+        assert spec is not None and spec.loader is not None
+        soak = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(soak)
+    finally:
+        sys.path.remove(str(bench))
+    engine = pgjobs.Runner(db_url).engine
+    with engine.begin() as conn:
+        conn.exec_driver_sql(soak.SCHEMA.format(items=500))
+    engine.dispose()
+    args = argparse.Namespace(
+        items=500,
+        seconds=8.0,
+        drift=0.05,
+        compute_seconds=1.0,
+        recompute_every=2.0,
+        workers=2,
+        flow="on",
+    )
+    result = soak.Soak(db_url, args).run()
+    assert result["errors"] == {}
+    assert result["recomputes"] >= 2
+    assert result["monitor_max"] == 0
+    assert result["strict"] == 0
+    assert result["lags"] > 0
