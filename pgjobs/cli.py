@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
+#: the name on the package index (``pgjobs`` there is another project); the
+#: import name and the entry-point group stay ``pgjobs``
+DISTRIBUTION = "pgjobs-derived"
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -149,7 +153,9 @@ def _load(config_path: str | None, database: str | None) -> tuple[Config, Regist
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="pgjobs")
+@click.version_option(
+    package_name=DISTRIBUTION, message="%(prog)s (distribution %(package)s) %(version)s"
+)
 def cli() -> None:
     """PostgreSQL background jobs that rewrite derived data without deadlocks."""
 
