@@ -204,6 +204,7 @@ kind = "recompute"
 target = "derived_whole"
 sql = "select parent_id, n, n * 2 as v from source"
 every = "1h"
+atomic = true
 """
 
 
@@ -286,7 +287,7 @@ def test_once_in_a_terminal_redraws_in_place_and_moves_during_the_write(
     assert steps == {"locking parents", "writing rows"}
     assert re.fullmatch(r"chunked: write 30/30 chunks \(100%\) \[#{20}\] · [0-9.]+s", write[-1])
 
-    # The same rows in one pass: one insert of 300,000 rows, during which the
+    # The same rows in one pass (atomic): one insert of 300,000 rows, during which the
     # line keeps moving (the clock), "writing rows", with no newline.
     drawn, stdout, code = once_in_a_terminal("whole", config, db_url)
     assert code == 0, stdout + drawn
