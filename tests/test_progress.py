@@ -186,8 +186,8 @@ create table derived_chunked (
     n int not null, v int not null, primary key (parent_id, n));
 create table derived_whole (like derived_chunked including all);
 alter table derived_whole add foreign key (parent_id) references parent (id) on delete cascade;
-insert into parent select generate_series(1, 3000);
-insert into source select p, n from generate_series(1, 3000) p, generate_series(1, 100) n;
+insert into parent select generate_series(1, {parents});
+insert into source select p, n from generate_series(1, {parents}) p, generate_series(1, 100) n;
 analyze;
 """
 
@@ -197,7 +197,7 @@ kind = "recompute"
 target = "derived_chunked"
 sql = "select parent_id, n, n * 2 as v from source"
 every = "1h"
-chunk_parents = 100
+chunk_parents = {chunk_parents}
 
 [jobs.whole]
 kind = "recompute"
@@ -213,12 +213,13 @@ def pgjobs_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "pgjobs.cli"]
 
 
-def setup_database(db_url: str, tmp_path: Path) -> Path:
+def setup_database(db_url: str, tmp_path: Path, *, parents: int = 3000) -> Path:
+    """``parents`` parents of 100 rows each; the chunked job writes them in 30 chunks."""
     libpq = make_url(db_url).set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(libpq, autocommit=True) as conn:
-        conn.execute(SCHEMA)
+        conn.execute(SCHEMA.format(parents=parents))  # type: ignore[arg-type]
     path = tmp_path / "pgjobs.toml"
-    path.write_text(textwrap.dedent(CONFIG))
+    path.write_text(textwrap.dedent(CONFIG.format(chunk_parents=parents // 30)))
     return path
 
 
@@ -301,7 +302,7 @@ def test_once_in_a_terminal_redraws_in_place_and_moves_during_the_write(
 
 
 def test_once_elsewhere_prints_one_line_per_stage(env_db: str, tmp_path: Path) -> None:
-    config = setup_database(env_db, tmp_path)
+    config = setup_database(env_db, tmp_path, parents=300)
     result = CliRunner().invoke(cli, ["once", "chunked", "-c", str(config)])
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
