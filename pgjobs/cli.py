@@ -200,7 +200,7 @@ def cli(config_path: str | None, database: str | None) -> None:
     "metrics_address",
     metavar="ADDRESS",
     default=None,
-    help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs[metrics]); may be"
+    help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs-derived[metrics]); may be"
     " the --http address.",
 )
 def run(

@@ -3,8 +3,8 @@ calls (:data:`pgjobs.jobs.Progress`) look like to a person.
 
 One line per stage of the tick: ``compute``, ``stage`` (the new rows, counted),
 ``diff`` (the difference, no row lock, and its rows) and ``write`` (the diff writer's
-"lock", "rows" and "write" calls: per chunk, locking its parents, writing
-its rows, committing), or a queue job's ``claim`` and ``write``.
+"write-lock", "lock", "rows" and "write" calls: per chunk, waiting for the
+group's write lock, locking its parents, writing its rows, committing), or a queue job's ``claim`` and ``write``.
 
 * On a terminal the current stage's line is redrawn in place (``\\r`` and
   erase-line, never a newline within a stage), cut to the terminal's width,
@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TextIO
 
 #: phases shown as part of another stage's line
-_STAGE_OF = {"lock": "write", "rows": "write"}
+_STAGE_OF = {"write-lock": "write", "lock": "write", "rows": "write"}
 #: the unit of a phase's count (``lock``/``write`` with a total: chunks of parents)
 _UNITS = {"stage": "rows", "diff": "rows", "claim": "items"}
 
@@ -110,7 +110,7 @@ class Display:
         if total is None or phase == "stage":
             unit = _UNITS.get(phase)
             return f"{done:,}" + (f" {unit}" if unit else "")
-        if phase in ("lock", "rows", "write"):
+        if phase in ("write-lock", "lock", "rows", "write"):
             if total == 1:
                 return ""  # one pass: the step says where it is
             pct = 100 * done // total if total else 100
@@ -124,9 +124,12 @@ class Display:
 
     @staticmethod
     def _step(phase: str, done: int | None, total: int | None) -> str:
-        """Per chunk the diff writer reports "lock" (its parents next), "rows"
-        (its rows next), then "write" (it is written; the recompute commits
-        before the next one)."""
+        """Per chunk a recompute with queue workers (flow) reports
+        "write-lock" (the group's write lock next), then the diff writer
+        "lock" (its parents next), "rows" (its rows next) and "write" (it is
+        written; the recompute commits before the next one)."""
+        if phase == "write-lock":
+            return "waiting for the write lock"
         if phase == "lock":
             return "locking parents"
         if phase == "rows":

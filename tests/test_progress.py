@@ -125,6 +125,34 @@ def test_on_a_terminal_the_clock_moves_a_stage_that_reports_nothing() -> None:
     )
 
 
+def test_a_recompute_with_workers_waits_for_the_write_lock_on_the_write_line() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    display = Display("r", out, tty=True, clock=clock, refresh=False)
+    for done in range(2):
+        display("write-lock", done, 2)
+        display("lock", done, 2)
+        display("rows", done, 2)
+        display("write", done + 1, 2)
+    display.close()
+    draws = out.getvalue().split(ERASE)[1:]
+    assert out.getvalue().count("\n") == 1  # all of it on the write line
+    # (cut to the 80 columns a StringIO is taken to have)
+    assert (
+        draws[0]
+        == (
+            "r: write 0/2 chunks (0%) [--------------------] · waiting for the write lock · 0.0s"[
+                :79
+            ]
+        )
+    )
+    assert [d.split(" · ")[1] for d in draws[:4]] == [
+        "waiting for the write lock",
+        "locking parents",
+        "writing rows",
+        "committing",
+    ]
+
+
 def test_elsewhere_a_long_stage_says_it_is_still_running() -> None:
     clock, out = FakeClock(), io.StringIO()
     display = Display("big", out, tty=False, clock=clock, refresh=False)
