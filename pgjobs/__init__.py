@@ -12,7 +12,17 @@ from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
 from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
-from .queue import QueueStats, drop_enqueue_trigger, enqueue, install_enqueue_trigger, queue_stats
+from .queue import (
+    QueueStats,
+    drop_enqueue_trigger,
+    drop_enqueue_trigger_async,
+    enqueue,
+    enqueue_async,
+    install_enqueue_trigger,
+    install_enqueue_trigger_async,
+    queue_stats,
+    queue_stats_async,
+)
 from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
 from .runner import Runner
@@ -39,14 +49,18 @@ __all__ = [
     "Scheduler",
     "TaskJob",
     "drop_enqueue_trigger",
+    "drop_enqueue_trigger_async",
     "enqueue",
+    "enqueue_async",
     "get_registry",
     "hookimpl",
     "install",
     "install_enqueue_trigger",
+    "install_enqueue_trigger_async",
     "lifespan",
     "load_config",
     "parse_duration",
     "queue_stats",
+    "queue_stats_async",
     "run_once",
 ]

@@ -34,6 +34,13 @@ def run_once(
 ) -> RunResult:
     """Run one tick of ``job`` (a job object or a registered name).
 
+    The tick honours the job's schedule and backoff, as the scheduler's
+    do: a job another tick finished less than an interval ago returns
+    ``not_due`` (a queue job is due whenever it has work), one backing off
+    after a failure ``backing_off``, and nothing runs. ``force=True`` runs
+    it anyway, as ``pgjobs once`` always does; neither waits for the group
+    lock (``busy``).
+
     >>> result = pgjobs.run_once(job, database="postgresql://localhost/app")
     >>> result.outcome, result.stats
     """

