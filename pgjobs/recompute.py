@@ -141,6 +141,10 @@ class _Flow:
         in a statement after the grant (same round trip), the rows of keys a
         worker rewrote after S0 out of the chunk."""
         later(self.conn, WAIT_XACT_SQL, (self.write_lock,))
+        self.exclude_now(writer, chunk)
+
+    def exclude_now(self, writer: DiffWriter, chunk: int | None) -> None:
+        """The exclusion itself: the keys whose mark is not visible in S0."""
         assert self.job.worker_scope is not None
         writer.exclude(
             chunk,

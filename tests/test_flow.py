@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from psycopg import sql
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -230,15 +229,7 @@ def variant(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
     elif name == "exclusion before the write lock":
 
         def exclude(self: Any, writer: Any, chunk: Any) -> None:
-            writer.exclude(
-                chunk,
-                self.job.worker_scope,
-                sql.SQL(
-                    "select m.key from {} as m where m.target = %s"
-                    " and not pg_visible_in_snapshot(m.xid, %s::pg_snapshot)"
-                ).format(self.marks),
-                (self.target.label, self.s0),
-            )
+            self.exclude_now(writer, chunk)  # before the lock
             CURRENT.points.hit("R:excluded")
             pgjobs._pg.send(self.conn, (WAIT_XACT_SQL, (self.write_lock,)))
 
