@@ -50,6 +50,7 @@ from .jobs import (
     MAX_ATTEMPTS,
     MAX_BATCH,
     MAX_CHUNK_ROWS,
+    MAX_WORKERS,
     Job,
     Parent,
     QueueJob,
@@ -107,6 +108,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
     "batch_size": ("queue",),
+    "workers": ("queue",),
     "max_attempts": ("queue",),
     "item_backoff": ("queue",),
 }
@@ -154,6 +156,7 @@ class JobOverride:
     chunk_rows: int | None = None
     atomic: bool | None = None
     batch_size: int | None = None
+    workers: int | None = None
     max_attempts: int | None = None
     item_backoff: Backoff | None = None
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -416,6 +419,8 @@ class _Parser:
             return self.count(value, key, MAX_BATCH)
         if name == "chunk_rows":
             return self.count(value, key, MAX_CHUNK_ROWS)
+        if name == "workers":
+            return self.count(value, key, MAX_WORKERS)
         assert name == "max_attempts", name
         return self.count(value, key, MAX_ATTEMPTS)
 

@@ -112,6 +112,8 @@ DEFAULT_CHUNK_ROWS = 10_000
 MAX_CHUNK_ROWS = 10_000_000
 #: the largest ``max_attempts``: an item that failed this often is parked
 MAX_ATTEMPTS = 1_000
+#: concurrent workers of one queue job in one process
+MAX_WORKERS = 64
 
 
 def check_text(value: object, field: str, *, what: str = "a non-empty string") -> str:
@@ -565,6 +567,8 @@ class QueueJob(_DiffJob):
     compute: Callable[[Connection, Keys], Source] | str = ""
     after: Callable[[Connection, Keys, DiffStats], None] | None = None
     batch_size: int = 100
+    #: how many ticks of this job a scheduler runs at once (each claims its own batch)
+    workers: int = 1
     max_attempts: int = 5
     item_backoff: Backoff | Duration = "30s"
     #: a queue of the plugin's own: ``(conn, limit) -> keys``, items locked
@@ -593,6 +597,13 @@ class QueueJob(_DiffJob):
         if self.after is not None and not callable(self.after):
             raise ConfigError(f"{where}: after: expected a callable, got {self.after!r}")
         check_count(self.batch_size, f"{where}: batch_size", MAX_BATCH)
+        check_count(self.workers, f"{where}: workers", MAX_WORKERS)
+        if self.workers > 1 and not self.flow:
+            raise ConfigError(
+                f"{where}: workers: {self.workers} workers share the group's write lock, which"
+                " needs flow (without it each tick takes the lock alone); set flow = true or"
+                " workers = 1"
+            )
         check_count(self.max_attempts, f"{where}: max_attempts", MAX_ATTEMPTS)
         object.__setattr__(
             self, "item_backoff", Backoff.coerce(self.item_backoff, field=f"{where}: item_backoff")

@@ -116,6 +116,14 @@ async def _araw(conn: AnyAsyncConnection) -> psycopg.AsyncConnection[Any]:
     raise TypeError(f"expected a SQLAlchemy or psycopg AsyncConnection, got {type(conn).__name__}")
 
 
+def channel(schema: str, job: str) -> str:
+    """The channel an enqueue of ``job`` notifies (its SQL twin is
+    ``<schema>.channel(job)``, migration 008): an identifier within 63 bytes
+    for any job name, distinct per schema."""
+    digest = hashlib.md5(f"{len(schema)}:{schema}{job}".encode()).hexdigest()[:20]
+    return f"pgjobs_{digest}"
+
+
 def queue_table(schema: str) -> sql.Identifier:
     return sql.Identifier(schema, "queue")
 
@@ -490,6 +498,7 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
 
 __all__ = [
     "QueueStats",
+    "channel",
     "drop_enqueue_trigger",
     "drop_enqueue_trigger_async",
     "enqueue",

@@ -57,6 +57,9 @@ class Execution:
     detail: dict[str, Any] = field(default_factory=dict)
     #: per processed queue item, seconds from its enqueue to the end of the writes
     queue_lag: tuple[float, ...] = ()
+    #: the body found nothing to do after all (another worker took the items
+    #: the work check saw): the runner rolls back and ends the tick ``idle``
+    idle: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -404,6 +404,9 @@ class _Tick:
             if isinstance(job, RecomputeJob) and self._may_chunk(job):
                 self.ctx.checkpoint = self._checkpoint
             execution = self.body.execute(conn, job, self.ctx)
+            if execution.idle:
+                self.trans.rollback()
+                return self._finish(Outcome.IDLE)
             result = self._commit(execution)
         except Exception as exc:
             return self._fail_locked(exc)

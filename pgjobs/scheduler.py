@@ -8,6 +8,21 @@ job already (``not_due``), or hold its group lock (``busy``). A periodic
 job that found its group busy is retried once, ``retry_after`` later,
 rather than a whole interval later. A periodic entry prunes old run records.
 
+Queue jobs are not paced by their interval, which is only how often they
+look when nothing wakes them:
+
+* **drain**: a tick that claimed a full batch is followed at once by the
+  next (a new transaction: the group lock is let go between batches);
+* **wake on enqueue**: a :class:`~pgjobs.listener.Listener` LISTENs on the
+  channels of the queue jobs and fires a job as soon as an enqueue commits;
+  wake-ups during a tick make one more tick after it, however many came
+  (off behind a transaction pooler, ``$PGJOBS_TRANSACTION_POOLING``);
+* **workers**: a job with ``workers = N`` runs up to N ticks at once; a
+  worker whose tick claimed a full batch calls the next one in.
+
+When the database cannot be reached, one line says so and one line says
+when it answers again; the ticks in between are skipped quietly.
+
 The scheduler installs no signal handler and configures no logging; embed
 it in a FastAPI app with :func:`lifespan`::
 
@@ -20,11 +35,14 @@ transaction always ends in a commit or a rollback, never half a write.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
+import time
 import zoneinfo
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor as WakePool
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -34,10 +52,13 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from ._pg import connection_lost
 from .checks import check_jobs
+from .database import transaction_pooling
 from .durations import Duration, parse_duration
 from .errors import ConfigError
-from .jobs import Job
+from .jobs import Job, QueueJob
+from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
 from .results import Outcome, RunResult
 from .runner import Runner
@@ -70,7 +91,9 @@ class Scheduler:
     ``$PGJOBS_DATABASE_URL``. ``check`` verifies the jobs against the
     database at :meth:`start` (see :func:`pgjobs.checks.check_jobs`), before anything
     is written. ``on_result`` is called with every tick's
-    :class:`~pgjobs.RunResult`, from the worker thread.
+    :class:`~pgjobs.RunResult`, from the worker thread. ``listen``: wake queue
+    jobs on enqueue (default: yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says
+    a transaction pooler is in the way).
 
     >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
     ...     wait_for_shutdown()
@@ -89,6 +112,7 @@ class Scheduler:
         max_workers: int = 10,
         check: bool = True,
         on_result: Callable[[RunResult], None] | None = None,
+        listen: bool | None = None,
     ) -> None:
         from .registry import Registry
 
@@ -125,9 +149,19 @@ class Scheduler:
                 self._triggers[job.name] = IntervalTrigger(
                     seconds=job.interval.total_seconds(), timezone=self.timezone
                 )
-        # A busy-retry entry and the periodic entry are two APScheduler jobs;
-        # this lock keeps them from running one pgjobs job twice at once.
-        self._running = {name: threading.Lock() for name in self.jobs}
+        #: wake queue jobs on enqueue (LISTEN does not work behind a transaction pooler)
+        self.listen = (not transaction_pooling()) if listen is None else listen
+        # The entries (periodic, busy retry) and the wake-ups all run a job
+        # through its slots: one tick at a time per slot, ``workers`` slots.
+        self._slots = {
+            name: [_Slot() for _ in range(job.workers if isinstance(job, QueueJob) else 1)]
+            for name, job in self.jobs.items()
+        }
+        self._wake_lock = threading.Lock()
+        self._pool: WakePool | None = None
+        self._outage = _Outage()
+        #: the listener, while the scheduler runs and listens
+        self.listener: Listener | None = None
         self._lock = threading.Lock()
         self._aps: BackgroundScheduler | None = None
         self._stopping = threading.Event()
@@ -213,8 +247,21 @@ class Scheduler:
                     id=_PRUNE_ID,
                     name=_PRUNE_ID,
                 )
+            with self._wake_lock:
+                self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
             aps.start()
             self._aps = aps
+            queues = [name for name, job in self.jobs.items() if isinstance(job, QueueJob)]
+            if self.listen and queues:
+                self.listener = Listener(
+                    self.runner.engine,
+                    queues,
+                    schema=self.runner.store.schema,
+                    wake=self.wake,
+                    on_lost=_lost_listening,
+                    on_back=_listening_again,
+                )
+                self.listener.start()
             log.info(
                 "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
             )
@@ -225,9 +272,16 @@ class Scheduler:
         with self._lock:
             aps, self._aps = self._aps, None
             self._stopping.set()
+            listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.stop()
+        with self._wake_lock:
+            pool, self._pool = self._pool, None
         if aps is None:
             self.runner.close()  # start() may have failed after connecting
             return
+        if pool is not None:
+            pool.shutdown(wait=wait)
         aps.shutdown(wait=wait)
         if wait:
             self.runner.close()
@@ -269,35 +323,85 @@ class Scheduler:
             raise ConfigError(
                 f"no scheduled job named {name!r} (scheduled: {', '.join(self.jobs) or 'none'})"
             )
-        running = self._running[name]
-        if not running.acquire(blocking=False):
+        slot = self._slots[name][0]
+        if not slot.running.acquire(blocking=False):
             return None
         try:
             return self.runner.tick(job, next_due=self._next_due(job))
         finally:
-            running.release()
+            slot.running.release()
 
-    def _fire(self, name: str) -> None:
-        if self._stopping.is_set():
+    def wake(self, name: str) -> None:
+        """Run a tick of the queue job ``name`` as soon as a thread is free;
+        if it is running, one more tick after the current one (a burst of
+        wake-ups makes one tick). What the listener calls on an enqueue."""
+        if name in self._slots and not self._stopping.is_set():
+            self._call(name, 0)
+
+    def _call(self, name: str, index: int) -> None:
+        slot = self._slots[name][index]
+        with self._wake_lock:
+            slot.again = True
+            pool = self._pool
+        if pool is None:
             return
-        try:
-            result = self.run_job(name)
-        except Exception:
-            # The runner records a job's own failures; this is pgjobs unable to
-            # reach its tables (database down, ...): say so, try at the next tick.
-            log.exception("pgjobs: %s: could not run a tick", name)
-            return
-        if result is None:
-            return
-        if result.outcome is Outcome.BUSY and result.retry_after is not None:
-            self._retry(name, result.retry_after)
-        elif result.outcome is Outcome.NOT_DUE:
-            self._retry_when_due(name, result)
-        if self.on_result is not None:
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            pool.submit(self._fire, name, index)
+
+    def _fire(self, name: str, index: int = 0) -> None:
+        """The ticks of one worker (``index``) of a job, while there is more."""
+        slot = self._slots[name][index]
+        while not self._stopping.is_set():
+            if not slot.running.acquire(blocking=False):
+                return  # the tick running now sees slot.again
             try:
-                self.on_result(result)
-            except Exception:
-                log.exception("pgjobs: on_result failed for %s", name)
+                self._work(name, index, slot)
+            finally:
+                slot.running.release()
+            # a wake-up between the last look and the release: nobody else saw it
+            with self._wake_lock:
+                if not slot.again:
+                    return
+
+    def _work(self, name: str, index: int, slot: _Slot) -> None:
+        job = self.jobs[name]
+        while not self._stopping.is_set():
+            with self._wake_lock:
+                slot.again = False
+            result = self._tick(job)
+            if result is None:
+                return
+            if index == 0:
+                if result.outcome is Outcome.BUSY and result.retry_after is not None:
+                    self._retry(name, result.retry_after)
+                elif result.outcome is Outcome.NOT_DUE:
+                    self._retry_when_due(name, result)
+            if self.on_result is not None:
+                try:
+                    self.on_result(result)
+                except Exception:
+                    log.exception("pgjobs: on_result failed for %s", name)
+            if _full_batch(job, result):
+                # more is due: this worker goes on, and calls in the next one
+                if index + 1 < len(self._slots[name]):
+                    self._call(name, index + 1)
+            elif not slot.again:
+                return
+
+    def _tick(self, job: Job) -> RunResult | None:
+        try:
+            result = self.runner.tick(job, next_due=self._next_due(job))
+        except Exception as exc:
+            if connection_lost(exc):
+                self._outage.down(exc)
+            else:
+                # The runner records a job's own failures; this is pgjobs unable
+                # to use its tables: say so, try at the next tick.
+                log.exception("pgjobs: %s: could not run a tick", job.name)
+            return None
+        if result.outcome is not Outcome.FAILED or result.run_id is not None:
+            self._outage.up()
+        return result
 
     def _retry(self, name: str, after: timedelta) -> None:
         with self._lock:
@@ -343,6 +447,73 @@ class Scheduler:
             return
         if deleted:
             log.info("pgjobs: pruned %d run record(s) older than %s", deleted, self.keep_runs)
+
+
+def _lost_listening(exc: BaseException) -> None:
+    log.warning(
+        "pgjobs: not listening for enqueues (%s); the queue jobs poll until it can again",
+        _first_line(exc),
+    )
+
+
+def _listening_again() -> None:
+    log.warning("pgjobs: listening for enqueues again")
+
+
+def _full_batch(job: Job, result: RunResult) -> bool:
+    """A queue tick that claimed all it could: more is probably due."""
+    if not isinstance(job, QueueJob) or result.outcome is not Outcome.RAN:
+        return False
+    claimed = int(result.detail.get("claimed", result.items))
+    kept = int(result.detail.get("kept", 0))
+    return claimed >= job.batch_size and kept < claimed
+
+
+class _Slot:
+    """One worker of a job: one tick at a time; ``again`` asks it for one more."""
+
+    __slots__ = ("again", "running")
+
+    def __init__(self) -> None:
+        self.running = threading.Lock()
+        self.again = False
+
+
+class _Outage:
+    """One line when the database stops answering, one when it is back:
+    the ticks in between are skipped without a word each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+
+    def down(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._since is not None:
+                return
+            self._since = time.monotonic()
+        log.warning(
+            "pgjobs: the database is unreachable (%s); the jobs wait for it, trying again"
+            " at their next tick",
+            _first_line(exc),
+        )
+        log.debug("pgjobs: the error", exc_info=exc)
+
+    def up(self) -> None:
+        if self._since is None:
+            return
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            log.warning(
+                "pgjobs: the database answers again, after %.1f s", time.monotonic() - since
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip()
+    return text.splitlines()[0] if text else type(orig).__name__
 
 
 class Lifespan:

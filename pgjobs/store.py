@@ -122,7 +122,12 @@ class Store:
                             number,
                             self.schema,
                         )
-                        execute(conn, sql.SQL(text).format(schema=self._s))
+                        execute(
+                            conn,
+                            sql.SQL(text).format(
+                                schema=self._s, schema_name=sql.Literal(self.schema)
+                            ),
+                        )
                         execute(
                             conn,
                             sql.SQL("insert into {} (version) values (%s)").format(

@@ -418,8 +418,10 @@ def _race(db, *, do_nothing):
 
 def test_an_uncommitted_enqueue_keeps_the_worker_off_the_entry_until_commit(db):
     during, after = _race(db, do_nothing=False)
-    assert during.outcome == "ran", during.error
-    assert during.items == 0  # the entry was locked by the user: skipped, not consumed
+    # the entry was locked by the user: skipped, not consumed (a tick that
+    # claimed nothing ends idle, no run record)
+    assert during.outcome == "idle", during.error
+    assert during.items == 0 and during.run_id is None
     assert sum(r.items for r in after) == 1
     assert queue_rows(db) == []
     assert derived(db, 1) == from_scratch(db, 1)

@@ -138,15 +138,21 @@ class Claiming(Base):
         Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
         claimed entries, then (item, null, false, false, null) for deferred items."""
         return sql.SQL(
+            # FOR KEY SHARE SKIP LOCKED passes over the entries another worker
+            # claimed (FOR UPDATE): concurrent workers take the next batch, not
+            # the same one. It does not conflict with a user's enqueue (an
+            # update of no key column), so no enqueue waits for it.
             "with due as materialized (select key as item from {q} where job = %(job)s"
-            " and dead_at is null and not_before <= now() order by key limit %(n)s), {classify},"
+            " and dead_at is null and not_before <= now() order by key limit %(n)s"
+            " for key share skip locked), {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
-            # plan can turn it into a scan of the job's whole queue). No need
-            # to test dead_at and not_before again: only a worker of the job's
-            # group changes them, and this one holds the group lock.
+            # plan can turn it into a scan of the job's whole queue), and the
+            # due test again: a worker that shares the group's write lock may
+            # have failed the item (not_before later) since "due" read it.
             " c as materialized (select e.key, e.attempts, e.enqueued_at from s, lateral"
             " (select q.key, q.attempts, q.enqueued_at from {q} as q where q.job = %(job)s"
-            " and q.key = s.item for update of q skip locked) as e where s.locked or not s.present)"
+            " and q.key = s.item and q.dead_at is null and q.not_before <= now()"
+            " for update of q skip locked) as e where s.locked or not s.present)"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
             " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8 from c"
             " union all select s.item::text, null, false, false, null from s"

@@ -44,6 +44,8 @@ class Worker(Claiming):
             log.info(
                 "pgjobs: %s: dropped %d item(s) whose parent is gone", self.job.name, len(gone)
             )
+        if not (items or gone or deferred or unreadable):
+            return Execution(idle=True)  # a worker beside this one took them
         if items:
             self._process(items)
         dead = 0

@@ -1,0 +1,143 @@
+"""Wake on enqueue: one connection that LISTENs on the queue jobs' channels.
+
+An enqueue notifies its job's channel in the caller's transaction
+(:func:`pgjobs.queue.channel`, migration 008); PostgreSQL delivers the
+notification at commit. :class:`Listener` holds one connection of its own
+(autocommit, out of the engine's pool), listens on the channels of the jobs
+it is given and calls ``wake(job)`` for each notification, from its thread.
+A burst is the caller's to coalesce (the scheduler runs one more tick,
+however many wake-ups arrived during the current one).
+
+When the connection is lost, the listener says so through ``on_lost`` and
+reconnects by itself, every ``retry`` at most; once it listens again it
+calls ``on_back`` and wakes every job, since what was enqueued meanwhile
+notified nobody. Until then the jobs' polling interval is what runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import Engine
+
+from .queue import channel
+
+log = logging.getLogger(__name__)
+
+#: how long one wait for notifications lasts: the longest :meth:`Listener.stop` waits
+_POLL_SECONDS = 0.2
+
+
+class Listener:
+    """LISTEN on the channels of ``jobs`` (names) in ``schema``; call
+    ``wake(job)`` for each notification, in the listener's thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        jobs: Iterable[str],
+        *,
+        schema: str,
+        wake: Callable[[str], None],
+        on_lost: Callable[[BaseException], None] | None = None,
+        on_back: Callable[[], None] | None = None,
+        retry: tuple[float, float] = (0.2, 5.0),
+    ) -> None:
+        self.engine = engine
+        self.channels = {channel(schema, job): job for job in jobs}
+        self.wake = wake
+        self.on_lost = on_lost
+        self.on_back = on_back
+        self.retry = retry
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        #: set once the first LISTEN went through (tests and the scheduler wait on it)
+        self.listening = threading.Event()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._main, name="pgjobs-listener", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening and close the connection (within about 0.2 s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of the listening connection (``None`` while it has none)."""
+        conn = self._conn
+        return None if conn is None or conn.closed else conn.info.backend_pid
+
+    # -- the thread -----------------------------------------------------------------
+    def _main(self) -> None:
+        delay = self.retry[0]
+        lost = False
+        while not self._stop.is_set():
+            try:
+                self._conn = self._connect()
+                self.listening.set()
+                if lost:
+                    lost = False
+                    delay = self.retry[0]
+                    if self.on_back is not None:
+                        self.on_back()
+                    for job in self.channels.values():
+                        self.wake(job)
+                self._receive(self._conn)
+            except Exception as exc:  # the connection, or the server, is gone
+                self.listening.clear()
+                if not self._stop.is_set() and not lost:
+                    lost = True
+                    log.debug("pgjobs: the listener lost its connection", exc_info=True)
+                    if self.on_lost is not None:
+                        self.on_lost(exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.retry[1])
+            finally:
+                self._close()
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        # A connection of the engine's kind (URL, connect_args, creator), taken
+        # out of its pool for good: it stays in LISTEN for the process's life.
+        fairy = self.engine.raw_connection()
+        conn = fairy.driver_connection
+        fairy.detach()
+        if not isinstance(conn, psycopg.Connection):
+            raise TypeError(f"listening needs a psycopg 3 connection, got {type(conn).__name__}")
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        conn.autocommit = True
+        self._conn = conn
+        for name in self.channels:
+            conn.execute(sql.SQL("listen {}").format(sql.Identifier(name)))
+        return conn
+
+    def _receive(self, conn: psycopg.Connection[Any]) -> None:
+        while not self._stop.is_set():
+            for notify in conn.notifies(timeout=_POLL_SECONDS):
+                job = self.channels.get(notify.channel)
+                if job is not None:
+                    self.wake(job)
+                if self._stop.is_set():
+                    return
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("pgjobs: closing the listener's connection failed", exc_info=True)
+
+
+__all__ = ["Listener"]
