@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -188,6 +189,11 @@ def cli(config_path: str | None, database: str | None) -> None:
 @_log_format
 @click.option("--no-check", is_flag=True, help="Skip checking the jobs against the database first.")
 @click.option(
+    "--exit-if-unreachable",
+    is_flag=True,
+    help="Exit 3 when the database cannot be reached at start, instead of waiting for it.",
+)
+@click.option(
     "--http",
     "http_address",
     metavar="ADDRESS",
@@ -209,6 +215,7 @@ def run(
     verbose: int,
     log_format: str,
     no_check: bool,
+    exit_if_unreachable: bool,
     http_address: str | None,
     metrics_address: str | None,
 ) -> None:
@@ -216,6 +223,8 @@ def run(
 
     The first signal stops firing and waits for the running transactions to
     commit or roll back; a second one exits at once (PostgreSQL rolls back).
+    A database that cannot be reached at start is waited for (one line says
+    so), unless --exit-if-unreachable; one that goes away later is too.
     """
     from .scheduler import Scheduler
     from .serve import parse_address
@@ -258,7 +267,8 @@ def run(
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         servers: list[Any] = []
         try:
-            scheduler.start()
+            if not _start(scheduler, stop, wait=not exit_if_unreachable):
+                return
             servers = _serve(scheduler, http, scrape, metrics)
             jobs = registry.jobs(enabled_only=True)
             click.echo(
@@ -275,6 +285,38 @@ def run(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
+
+
+def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
+    """Start ``scheduler``; while the database cannot be reached, wait for it
+    (one line says so), unless not ``wait``. False: stopped while waiting."""
+    from ._pg import connection_lost
+
+    waiting_since: float | None = None
+    while True:
+        try:
+            scheduler.start()
+        except Exception as exc:
+            if not wait or not connection_lost(exc):
+                raise
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                orig = getattr(exc, "orig", None) or exc
+                first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+                click.echo(
+                    f"pgjobs: the database is unreachable ({first}); waiting for it"
+                    " (--exit-if-unreachable exits 3 instead)",
+                    err=True,
+                )
+            if stop.wait(1.0):
+                return False
+            continue
+        if waiting_since is not None:
+            click.echo(
+                f"pgjobs: the database answers, after {time.monotonic() - waiting_since:.1f} s",
+                err=True,
+            )
+        return True
 
 
 def _tracing() -> Callable[[RunResult], None] | None:

@@ -155,8 +155,9 @@ async def test_a_pending_entry_enqueued_again_is_locked_until_commit(db: Any, ki
         await insert_post(conn, 3, "late")
         assert await pgjobs.enqueue_async(conn, JOB, [3]) == 0  # already pending
         result = pgjobs.run_once(JOB, database=db)
-        # the probe sees the entry; the claim (SKIP LOCKED) gets none of it
-        assert (result.outcome, result.items) == (pgjobs.Outcome.RAN, 0), result
+        # the probe sees the entry; the claim (SKIP LOCKED) gets none of it,
+        # and a tick that claimed nothing ends idle
+        assert (result.outcome, result.items) == (pgjobs.Outcome.IDLE, 0), result
         assert stats(db) == {}
         assert queued(db) == [(JOB.name, "[3]")]
         await conn.commit()

@@ -294,7 +294,7 @@ def test_an_unreachable_database_exits_3_not_1(tmp_path: Path) -> None:
         ["once", "a"],
         ["once", "a", "--no-check"],
         ["status"],
-        ["run"],
+        ["run", "--exit-if-unreachable"],  # without it, run waits (tests/test_outage.py)
     ):
         result = invoke("--database", bad, "-c", str(path), *args)
         assert result.exit_code == 3, (args, result.output)
