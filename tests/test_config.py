@@ -327,6 +327,7 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
     ("chunk_rows", "2500", "chunk_rows", 2500),
     ("atomic", "true", "atomic", True),
     ("batch_size", "7", "batch_size", 7),
+    ("workers", "3", "workers", 3),
     ("max_attempts", "9", "max_attempts", 9),
     ("item_backoff", '"2m"', "item_backoff", pgjobs.Backoff(initial="2m")),
 ]

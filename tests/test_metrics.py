@@ -61,7 +61,8 @@ def jobs() -> list[pgjobs.Job]:
             every="100ms",
             max_attempts=1,
         ),
-        # fires once at start, then not for an hour: what is enqueued stays queued
+        # fires once at start, then not for 30 s (the schedulers here do not listen,
+        # so no enqueue wakes it): what is enqueued stays queued
         pgjobs.QueueJob(name="later", target="derived2", scope=("parent_id",), compute=FOR_KEYS),
     ]
 
@@ -133,7 +134,7 @@ def test_metrics_scraped_from_a_running_scheduler_match_the_database(schema: Eng
     engine = schema
     results = Results()
     metrics = Metrics()
-    scheduler = pgjobs.Scheduler(jobs(), engine, on_result=results)
+    scheduler = pgjobs.Scheduler(jobs(), engine, on_result=results, listen=False)
     metrics.bind(scheduler)
     started = time.monotonic()
     with scheduler, serve(("127.0.0.1", 0), {"/metrics": metrics.wsgi_app(scheduler)}) as server:
@@ -314,7 +315,7 @@ def test_a_database_that_does_not_answer_is_reported_not_raised() -> None:
 @pytest.fixture
 def app_client(schema: Engine) -> Iterator[tuple[TestClient, Metrics]]:
     metrics = Metrics()
-    app = FastAPI(lifespan=pgjobs.lifespan(pgjobs.Scheduler(jobs(), schema)))
+    app = FastAPI(lifespan=pgjobs.lifespan(pgjobs.Scheduler(jobs(), schema, listen=False)))
     app.mount("/metrics", metrics.asgi_app())
     with TestClient(app) as client:
         yield client, metrics

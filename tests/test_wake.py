@@ -285,3 +285,119 @@ def test_several_workers_need_flow() -> None:
         make_job(workers=2, flow=False)
     with pytest.raises(pgjobs.ConfigError, match="workers"):
         make_job(workers=0)
+
+
+def test_workers_are_a_setting_of_pgjobs_toml(tmp_path) -> None:
+    from pgjobs.config import load_config
+
+    path = tmp_path / "pgjobs.toml"
+    declared = (
+        '[jobs.w]\nkind = "queue"\ntarget = "derived"\nscope = ["parent_id"]\nsql = "select 1"\n'
+    )
+    path.write_text(declared + "workers = 3\n")
+    (job,) = load_config(path).jobs
+    assert isinstance(job, pgjobs.QueueJob) and job.workers == 3
+    for bad in ("0", "65", '"two"'):
+        path.write_text(declared + f"workers = {bad}\n")
+        with pytest.raises(pgjobs.ConfigError, match=r"pgjobs.toml: jobs\.w\.workers"):
+            load_config(path)
+    path.write_text(declared + "workers = 2\nflow = false\n")
+    with pytest.raises(pgjobs.ConfigError, match="needs flow"):
+        load_config(path)
+
+
+def test_2000_items_enqueued_at_once_are_processed_within_seconds(db: Engine) -> None:
+    add_parents(db, range(1, 2001))
+    results = Results()
+    with pgjobs.Scheduler([make_job(every="60s")], db, on_result=results) as scheduler:
+        assert scheduler.listener is not None
+        wait_until(scheduler.listener.listening.is_set, what="listening")
+        wait_until(lambda: results.count(Outcome.IDLE) == 1, what="the first tick")
+        started = time.monotonic()
+        enqueue_committed(db, list(range(1, 2001)))
+        # at one batch (100) per interval, 60 s x 20 batches: 20 minutes
+        wait_until(lambda: queue_depth(db) == 0, timeout=30, what="2,000 items processed")
+        took = time.monotonic() - started
+    assert sum(r.items for r in results.ran()) == 2000 and took < 30
+    assert derived(db) == from_scratch(db)
+
+
+def test_an_enqueue_in_an_open_transaction_is_processed_only_after_its_commit(db: Engine) -> None:
+    add_parents(db, [1])
+    results = Results()
+    with pgjobs.Scheduler([make_job(every="1h")], db, on_result=results) as scheduler:
+        assert scheduler.listener is not None
+        wait_until(scheduler.listener.listening.is_set, what="listening")
+        wait_until(lambda: results.count(Outcome.IDLE) == 1, what="the first tick")
+        with db.connect() as user, user.begin():
+            enqueue(user, "worker", [1])
+            # a tick now (as a poll would) does not see the uncommitted entry
+            tick = scheduler.run_job("worker")
+            assert tick is not None and tick.outcome is Outcome.IDLE
+            assert derived(db) == [] and results.ran() == []
+        # committed: the notification runs it, within the hour's poll
+        wait_until(lambda: queue_depth(db) == 0, what="the item processed after the commit")
+    assert [r.items for r in results.ran()] == [1]
+    assert derived(db) == from_scratch(db)
+
+
+def test_two_processes_take_each_item_once_and_log_a_run_per_batch_not_per_wake_up(
+    db: Engine, db_url: str, tmp_path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    add_parents(db, range(1, 1001))
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(
+        '[jobs.worker]\nkind = "queue"\ntarget = "derived"\nscope = ["parent_id"]\n'
+        f'every = "1h"\nsql = """{COMPUTE_SQL}"""\n'
+    )
+    env = {**os.environ, "PGJOBS_DATABASE_URL": db_url, "PGJOBS_LOAD_PLUGINS": ""}
+    command = [str(Path(sys.executable).with_name("pgjobs")), "-c", str(config), "run"]
+    errors = [open(tmp_path / f"run{n}.err", "w+") for n in range(2)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err) for err in errors
+    ]
+    try:
+
+        def listeners() -> int:
+            with db.connect() as conn:  # pg_stat_activity is a snapshot per transaction
+                return int(
+                    conn.execute(
+                        text(
+                            "select count(*) from pg_stat_activity"
+                            " where datname = current_database() and query like 'listen %'"
+                        )
+                    ).scalar_one()
+                )
+
+        wait_until(lambda: listeners() == 2, what="both processes listening")
+        with db.connect() as conn:
+            for key in range(1, 1001):  # a thousand transactions, a thousand wake-ups each
+                with conn.begin():
+                    enqueue(conn, "worker", [key])
+        wait_until(lambda: queue_depth(db) == 0, what="the items processed")
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(WAIT) for proc in procs]
+        for err in errors:
+            err.close()
+    assert codes == [0, 0]
+    assert derived(db) == from_scratch(db)
+    with db.connect() as conn:
+        runs = conn.execute(
+            text("select outcome, count(*), sum(items) from pgjobs.run group by 1")
+        ).all()
+        quiet = conn.execute(
+            text("select sum(idle_ticks + busy_ticks) from pgjobs.job_state")
+        ).scalar_one()
+    by_outcome = {outcome: (count, items) for outcome, count, items in runs}
+    assert set(by_outcome) == {"ran"}, by_outcome  # no row for a tick that found nothing
+    count, items = by_outcome["ran"]
+    assert items == 1000 and count <= 1000  # each item once; a row per batch at most
+    assert quiet is not None and quiet > 0  # the other replica's wake-ups: counted
