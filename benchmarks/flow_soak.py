@@ -7,7 +7,8 @@ Per run: ``--items`` items x 5 derived rows; a recompute every
 changes ``--drift`` of the items' sources *without* enqueueing them: drift,
 which only the recompute repairs); users deleting, inserting and changing
 items, each with its enqueue (one delete or insert every 200 ms, one change
-every 100 ms); ``--workers`` schedulers running the queue job.
+every 100 ms); ``--workers`` schedulers running the queue job (replicas),
+each with ``--job-workers`` concurrent workers (``QueueJob(workers=N)``).
 
 Reported: queue lag (an enqueue's commit to the commit of the worker
 transaction that processed it, as the client saw both return), errors of
@@ -117,6 +118,7 @@ class Soak:
             batch_size=100,
             backoff="1s",
             flow=flow,
+            workers=args.job_workers,
         )
         self.recompute = pgjobs.RecomputeJob(
             name="r",
@@ -275,6 +277,9 @@ def main() -> None:
     parser.add_argument("--recompute-every", type=float, default=15.0)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--flow", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--job-workers", type=int, default=1, help="QueueJob(workers=N) in each scheduler"
+    )
     args = parser.parse_args()
     ref = _machine.reference(args.dsn)
     for workers in args.workers:
@@ -286,7 +291,8 @@ def main() -> None:
             run_args = argparse.Namespace(**{**vars(args), "workers": workers})
             r = Soak(url, run_args).run()
         print(
-            f"items {args.items:,}  drift {args.drift:.0%}  flow {args.flow}  workers {workers}:"
+            f"items {args.items:,}  drift {args.drift:.0%}  flow {args.flow}  workers {workers}"
+            f" x {args.job_workers}:"
             f"  lag p50 {r['lag_p50']:.3f} s  p95 {r['lag_p95']:.3f} s  max {r['lag_max']:.3f} s"
             f" ({r['lags']:,} items)  recomputes {r['recomputes']}"
             f" (write lock max {r['write_lock_max']:.3f} s, {r['excluded']:,} rows excluded)"
