@@ -15,6 +15,7 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
+from .._pg import one_statement
 from ..errors import JobError
 from ..staging import ANALYZE_ROWS
 from ..target import ParentRef
@@ -160,18 +161,20 @@ def _session_difference(
     """The difference into session tables, in one round trip: the tables
     (created if missing), emptied, the difference, its counts and the parent
     keys each parent table must keep alive."""
-    statements: list[sql.Composable] = [
+    tables: list[sql.Composable] = [
         create_sql(plan, plan.difference, sql.SQL("{} with no data").format(body))
     ]
     if plan.self_ref is not None:
         # resolving self-references looks rows of the difference up by key
-        statements.append(
+        tables.append(
             sql.SQL("create index if not exists {} on {} ({})").format(
                 index_name(plan.difference), plan.difference, idents(plan.difference_key)
             )
         )
-    statements += parent_tables_sql(plan)
-    statements += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
+    tables += parent_tables_sql(plan)
+    tables += [sql.SQL("delete from {}").format(ident) for ident in plan.session_tables()]
+    # the tables' preparation is one statement (a DO block), then the difference
+    statements = one_statement(tables)
     statements.append(sql.SQL("insert into {} {}").format(plan.difference, body))
     statements.append(_counts_sql(plan, outside))
     statements += [need_sql(plan, i, None) for i in range(len(plan.parents))]

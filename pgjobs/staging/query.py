@@ -22,7 +22,7 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import Select
 from sqlalchemy.sql.sqltypes import NullType
 
-from .._pg import Later, analyze_statements, execute, later, send
+from .._pg import Later, analyze_statements, execute, later, one_statement, send
 from ..errors import ConfigError, JobError
 from ..target import Target
 from .table import (
@@ -190,7 +190,7 @@ def _queue_load(
     params: dict[str, Any],
 ) -> Later:
     """Queue the stage table's preparation and the load for the next round trip."""
-    for statement in prepare_statements(target, name, columns):
+    for statement in one_statement(prepare_statements(target, name, columns)):
         later(conn, statement)
     return later(conn, insert_sql(sql.Identifier(name), names, query), params)
 
