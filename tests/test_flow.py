@@ -490,6 +490,7 @@ def test_a_short_soak_ends_exact_with_no_error(db_url: str) -> None:
         compute_seconds=1.0,
         recompute_every=2.0,
         workers=2,
+        job_workers=2,  # two replicas of two workers each
         flow="on",
     )
     result = soak.Soak(db_url, args).run()

@@ -137,6 +137,9 @@ class Base:
         self.own: dict[str, tuple[Any, ...]] | None = None
         #: the items dropped because their parent is gone
         self.dropped: list[str] = []
+        #: the claim loaded the keys table with its items' keys, and took the
+        #: savepoint of their processing: (that savepoint, the keys)
+        self.preloaded: tuple[sql.Identifier, list[tuple[Any, ...]]] | None = None
 
     # -- savepoints -------------------------------------------------------------
     def _savepoint(self) -> sql.Identifier:

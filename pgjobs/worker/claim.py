@@ -42,12 +42,26 @@ class Claiming(Base):
             # claim (which reads the keys table's row type). When the table
             # is missing or has another shape, the claim's effects (locks
             # included) are rolled back, the table made, and the claim redone.
+            # The claim also loads the claimed items' keys into the keys table;
+            # the savepoint of their processing and the keys themselves come
+            # back in the same round trip (see _process).
             shape = later(self.conn, self._KEYS_SHAPE)
+            first = self._next_savepoint()
             try:
-                _, rows = send(
+                _, rows, _, keys = send(
                     self.conn,
                     (sql.SQL("savepoint {}").format(sp), None),
-                    (self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}),
+                    (
+                        self._claim_sql(load=True),
+                        {"job": self.job.name, "n": self.job.batch_size},
+                    ),
+                    (sql.SQL("savepoint {}").format(first), None),
+                    (
+                        sql.SQL("select {c} from pg_temp.{t} order by {c}").format(
+                            c=self.scope, t=self.keys_table
+                        ),
+                        None,
+                    ),
                 )
                 fits = self._keys_table_fits(shape.result.one() if shape.result else None)
                 result = rows.all() if fits else []
@@ -64,6 +78,8 @@ class Claiming(Base):
                 result = self.raw.execute(
                     self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
                 ).fetchall()
+            else:
+                self.preloaded = (first, [tuple(k) for k in keys.all()])
         except psycopg.DataError:
             # A key that does not convert to the scope's types: claim plainly
             # and find it one by one (rare, so this path may hold the entries
@@ -127,7 +143,7 @@ class Claiming(Base):
         )
         return sql.SQL(", ").join(ctes)
 
-    def _claim_sql(self) -> sql.Composed:
+    def _claim_sql(self, *, load: bool = False) -> sql.Composed:
         """One statement: the due items (no lock), their parents ``FOR KEY
         SHARE SKIP LOCKED``, then the entries of the items whose parents are
         locked or gone ``FOR UPDATE SKIP LOCKED``. Parents before entries, the
@@ -152,12 +168,27 @@ class Claiming(Base):
             " c as materialized (select e.key, e.attempts, e.enqueued_at from s, lateral"
             " (select q.key, q.attempts, q.enqueued_at from {q} as q where q.job = %(job)s"
             " and q.key = s.item and q.dead_at is null and q.not_before <= now()"
-            " for update of q skip locked) as e where s.locked or not s.present)"
+            " for update of q skip locked) as e where s.locked or not s.present){load}"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
             " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8 from c"
             " union all select s.item::text, null, false, false, null from s"
             " where s.present and not s.locked"
-        ).format(q=self.queue, classify=self._classify_ctes(sql.SQL("due")))
+        ).format(
+            q=self.queue,
+            classify=self._classify_ctes(sql.SQL("due")),
+            load=self._load_sql() if load else sql.SQL(""),
+        )
+
+    def _load_sql(self) -> sql.Composed:
+        """CTEs of the claim that put the keys of the items it claims (and
+        whose parents are there) into the keys table, emptied first: the
+        delete does not see the rows inserted beside it."""
+        return sql.SQL(
+            ", emptied as (delete from pg_temp.{t}),"
+            " loaded as (insert into pg_temp.{t} ({cols}) select distinct t.* from"
+            " (select c.key as item from c where c.key in (select item from s where present))"
+            " as i, lateral {typed} as t)"
+        ).format(t=self.keys_table, cols=self.scope, typed=self.typed)
 
     def _claim_rows(self, wanted: list[str] | None) -> list[str]:
         if wanted is None:

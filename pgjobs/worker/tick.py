@@ -77,9 +77,10 @@ class Worker(Claiming):
 
     # -- 3 + 4 + 5, with per-item isolation ----------------------------------------------
     def _process(self, items: list[str]) -> None:
-        sp = self._next_savepoint()
+        preloaded, self.preloaded = self.preloaded, None
+        sp = preloaded[0] if preloaded else self._next_savepoint()
         try:
-            self._write(items, sp)
+            self._write(items, sp, preloaded[1] if preloaded else None)
         except Exception as exc:
             if _is_run_level(exc):
                 raise
@@ -134,11 +135,13 @@ class Worker(Claiming):
             params[f"keys_{column}"] = [k[n] for k in keys]
         return params
 
-    def _write(self, items: list[str], savepoint: sql.Identifier) -> None:
-        """Process ``items`` under ``savepoint`` (taken here; released by the
-        commit, or rolled back to by the caller when this raises)."""
+    def _write(self, items: list[str], savepoint: sql.Identifier, keys: Keys | None = None) -> None:
+        """Process ``items`` under ``savepoint`` (taken here, unless the claim
+        took it and loaded their ``keys``; released by the commit, or rolled
+        back to by the caller when this raises)."""
         b = self.batch
-        keys = self._load_keys(items, savepoint)
+        if keys is None:
+            keys = self._load_keys(items, savepoint)
         if len(keys) > _ANALYZE_KEYS:
             # Up to this size, the planner's estimate from the table's current
             # size serves joins as well as statistics would, for less.
