@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--idle-samples", type=int, default=300)
     parser.add_argument(
-        "--trickle-seconds", type=float, default=20.0, help="length of a trickle pass (0: none)"
+        "--trickle-seconds", type=float, default=30.0, help="length of a trickle pass (0: none)"
     )
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "queue_bench.json")

@@ -189,17 +189,33 @@ def _pipeline(
     COMMIT and keeps the transaction open, aborted, with its locks, which
     the caller may roll back to a savepoint and go on in."""
     cursors: list[psycopg.Cursor[Any]] = []
+    # psycopg may read results while statements are still being queued, and
+    # raise there; the pipeline's exit then fails too ("pipeline aborted"),
+    # and psycopg logs a warning about it. So the first error is kept, the
+    # pipeline left normally (its exit reports the abort, not logged), and
+    # the first error raised after it.
+    first: psycopg.Error | None = None
     try:
         with raw.pipeline():
-            for item in todo:
-                cursors.append(raw.execute(item.statement, item.params))  # type: ignore[arg-type]
-            if commit is not None:
-                raw.execute("commit")
-    except BaseException:
+            try:
+                for item in todo:
+                    cursors.append(raw.execute(item.statement, item.params))  # type: ignore[arg-type]
+                if commit is not None:
+                    raw.execute("commit")
+            except psycopg.Error as exc:
+                first = exc
+    except BaseException as exc:
         for item, cur in zip(todo, cursors, strict=False):
             if cur.pgresult is not None and cur.pgresult.status in _OK:
                 item.result = _result(cur)
+        if first is not None and isinstance(exc, psycopg.Error):
+            raise first from None
         raise
+    if first is not None:
+        for item, cur in zip(todo, cursors, strict=False):
+            if cur.pgresult is not None and cur.pgresult.status in _OK:
+                item.result = _result(cur)
+        raise first
     for item, cur in zip(todo, cursors, strict=True):
         item.result = _result(cur)
     if commit is not None:

@@ -7,9 +7,11 @@ commit. Races are scripted with events, never with sleeps.
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import text
 
 import pgjobs
@@ -214,3 +216,22 @@ def test_once_says_how_many_items_failed_when_none_succeeded() -> None:
         job="w", outcome=pgjobs.Outcome.RAN, started_at=T0, finished_at=T0, items=0, failed_items=1
     )
     assert "items 0 (1 failed)" in _summary(result)
+
+
+def test_a_statement_failing_in_a_long_round_trip_raises_its_error_without_a_psycopg_warning(
+    engine, caplog
+) -> None:
+    # psycopg reads results while a long pipeline is still being queued and
+    # raises there; its exit then failed too and psycopg logged "error ignored
+    # terminating <psycopg.Pipeline ...>: pipeline aborted" beside the error.
+    import psycopg
+
+    from pgjobs._pg import send
+
+    caplog.set_level(logging.WARNING, logger="psycopg")
+    with engine.connect() as conn:
+        conn.begin()
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            send(conn, ("select 1 / 0", {}), *[("select %(a)s::int", {"a": 1})] * 200)
+        conn.rollback()
+    assert [r.getMessage() for r in caplog.records if r.name == "psycopg"] == []
