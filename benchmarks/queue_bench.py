@@ -19,16 +19,23 @@ running Scheduler (``every = "1s"``), listening on and off, interleaved;
 latency from the enqueue's commit to the worker's ``after`` hook for that
 item (inside its transaction, just before its commit): p50, p95, max.
 
+**Workers**: the same backlog (batch 100, update passes) drained by a
+Scheduler whose job has ``workers`` = 1, 2, 4; and four workers draining
+without pause beside a recompute of their group every 2 s (flow): the
+longest gap between the recompute's starts says whether the workers starve it.
+
 Also the median cost of an idle tick. Prints a table with the machine's
 reference timings and writes JSON to ``benchmarks/results/queue_bench.json``.
 Targets: drain at batch 100 >= 5,000 items/s and within 1.2x of the loop;
 batch 1 >= 300 items/s; trickle (listening) p50 <= 5 ms, p95 <= 15 ms,
-max <= 50 ms.
+max <= 50 ms; two workers drain >= 1.5x as fast as one; the recompute beside
+four workers starts within two of its intervals of the one before.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -298,6 +305,92 @@ def trickle(server: str, seconds: float, rate: float, repeat: int) -> list[dict]
     return out
 
 
+def workers_drain(server: str, items: int, counts: list[int], repeat: int) -> list[dict]:
+    """A backlog drained by a Scheduler whose job has ``workers = n``, at batch
+    100 (update passes), for each n, interleaved round by round."""
+    out = []
+    with fresh_database(server, prefix="pgjobs_bench") as url:
+        engine = create_engine(url, pool_size=max(counts) + 5)
+        try:
+            setup(engine, items)
+            for r in range(repeat):
+                for n in counts:
+                    job = make_job(100, name=f"workers-{n}-{r}", workers=n)
+                    counting = Counting()
+                    with pgjobs.Scheduler([job], engine, on_result=counting, keep_runs=None) as s:
+                        assert s.listener is not None
+                        s.listener.listening.wait(10)
+                        _prepare(engine, job, "update", items)
+                        counting.expect(items)
+                        with engine.begin() as conn:
+                            enqueue(conn, job, range(1, items + 1))
+                        started = time.perf_counter()
+                        if not counting.done.wait(600):
+                            raise SystemExit(f"workers {n}: {counting.items} of {items}")
+                        seconds = counting.last - started
+                    out.append({"workers": n, "round": r, "items_per_s": items / seconds})
+        finally:
+            engine.dispose()
+    return out
+
+
+def starvation(server: str, seconds: float, every: float) -> dict:
+    """Four workers draining without pause (a backlog topped up all along)
+    and a recompute of the same group and target every ``every`` s, with
+    flow: does every due recompute run within its interval?"""
+    parents = 20_000
+    with fresh_database(server, prefix="pgjobs_bench") as url:
+        engine = create_engine(url, pool_size=12)
+        try:
+            setup(engine, parents)
+            worker = make_job(100, name="starve-w", group="g", workers=4)
+            recompute = pgjobs.RecomputeJob(
+                name="starve-r",
+                group="g",
+                target="derived",
+                compute=COMPUTE.replace("where s.parent_id = any(:keys)", ""),
+                every=f"{every}s",
+                lock_timeout="30s",
+            )
+            starts: list[float] = []
+            counting = Counting()
+
+            def on_result(result) -> None:
+                if result.job == "starve-r" and result.outcome == "ran":
+                    starts.append(result.started_at.timestamp())
+                elif result.job == "starve-w":
+                    counting(result)
+
+            stop = threading.Event()
+
+            def top_up() -> None:
+                key = 0
+                with engine.connect() as conn:
+                    while not stop.is_set():
+                        with conn.begin():
+                            enqueue(conn, worker, [(key + i) % parents + 1 for i in range(200)])
+                        key += 200
+                        time.sleep(0.02)
+
+            registry = pgjobs.Registry.from_jobs([worker, recompute])
+            with pgjobs.Scheduler(registry, engine, on_result=on_result, keep_runs=None):
+                filler = threading.Thread(target=top_up)
+                filler.start()
+                time.sleep(seconds)
+                stop.set()
+                filler.join()
+        finally:
+            engine.dispose()
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    return {
+        "seconds": seconds,
+        "every": every,
+        "recomputes": len(starts),
+        "max_gap": max(gaps, default=float("nan")),
+        "worker_items": counting.items,
+    }
+
+
 def idle_tick(server: str, samples: int) -> dict:
     with fresh_database(server, prefix="pgjobs_bench") as url:
         engine = create_engine(url)
@@ -335,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         "--batches", type=int, nargs="*", default=[1, 100, 1000], help="batch sizes to measure"
     )
     parser.add_argument("--idle-samples", type=int, default=300)
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument(
+        "--starve-seconds", type=float, default=20.0, help="four workers beside a recompute (0: no)"
+    )
     parser.add_argument(
         "--trickle-seconds", type=float, default=30.0, help="length of a trickle pass (0: none)"
     )
@@ -352,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         lat = (
             trickle(server, args.trickle_seconds, 10.0, args.repeat) if args.trickle_seconds else []
         )
+        by_workers = workers_drain(server, args.items, args.workers, args.repeat)
+        starving = starvation(server, args.starve_seconds, 2.0) if args.starve_seconds else None
         idle = idle_tick(server, args.idle_samples)
 
     summary = []
@@ -389,6 +488,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'on' if listen else 'off':>7} {med['p50_ms']:>8.1f} {med['p95_ms']:>8.1f}"
                 f" {med['max_ms']:>8.1f}"
             )
+    workers_summary = {
+        n: statistics.median(r["items_per_s"] for r in by_workers if r["workers"] == n)
+        for n in args.workers
+    }
+    print("drain by workers (QueueJob(workers=n), batch 100, update passes, Scheduler):")
+    print("  " + ", ".join(f"{n}: {v:.0f} items/s" for n, v in workers_summary.items()))
+    if starving:
+        print(
+            f"four workers draining for {starving['seconds']:.0f} s beside a recompute every"
+            f" {starving['every']:.0f} s: {starving['recomputes']} recomputes, longest gap between"
+            f" their starts {starving['max_gap']:.2f} s, {starving['worker_items']:,} items"
+        )
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(_machine.describe(machine))
     print(f"idle tick: median {idle['median_ms']:.2f} ms, p95 {idle['p95_ms']:.2f} ms")
@@ -413,6 +524,17 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(("trickle p50 <= 5 ms", on["p50_ms"] <= 5))
         checks.append(("trickle p95 <= 15 ms", on["p95_ms"] <= 15))
         checks.append(("trickle max <= 50 ms", on["max_ms"] <= 50))
+    if 1 in workers_summary and 2 in workers_summary:
+        checks.append(
+            ("two workers drain >= 1.5x one", workers_summary[2] >= 1.5 * workers_summary[1])
+        )
+    if starving:
+        checks.append(
+            (
+                "every due recompute runs within its interval beside four workers",
+                starving["max_gap"] <= 2 * starving["every"],
+            )
+        )
     for what, ok in checks:
         print(f"target {what}: {'met' if ok else 'NOT met'}")
 
@@ -432,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": summary,
                 "runs": rows,
                 "trickle": lat,
+                "workers": by_workers,
+                "starvation": starving,
                 "trickle_summary": trickle_summary,
                 "idle_tick": idle,
             },

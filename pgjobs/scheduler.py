@@ -11,14 +11,16 @@ rather than a whole interval later. A periodic entry prunes old run records.
 Queue jobs are not paced by their interval, which is only how often they
 look when nothing wakes them:
 
-* **drain**: a tick that claimed a full batch is followed at once by the
-  next (a new transaction: the group lock is let go between batches);
+* **drain**: a tick that took items off the queue is followed at once by
+  the next (a new transaction: the group lock is let go between batches),
+  until one finds nothing;
 * **wake on enqueue**: a :class:`~pgjobs.listener.Listener` LISTENs on the
   channels of the queue jobs and fires a job as soon as an enqueue commits;
   wake-ups during a tick make one more tick after it, however many came
   (off behind a transaction pooler, ``$PGJOBS_TRANSACTION_POOLING``);
 * **workers**: a job with ``workers = N`` runs up to N ticks at once; a
-  worker whose tick claimed a full batch calls the next one in.
+  worker that claimed a full batch calls the next one in, at once (its
+  claim then passes over the entries this one holds).
 
 When the database cannot be reached, one line says so and one line says
 when it answers again; the ticks in between are skipped quietly.
@@ -57,7 +59,7 @@ from .checks import check_jobs
 from .database import transaction_pooling
 from .durations import Duration, parse_duration
 from .errors import ConfigError
-from .jobs import Job, QueueJob
+from .jobs import Job, Progress, QueueJob
 from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
 from .results import Outcome, RunResult
@@ -365,10 +367,21 @@ class Scheduler:
 
     def _work(self, name: str, index: int, slot: _Slot) -> None:
         job = self.jobs[name]
+        progress = None
+        if index + 1 < len(self._slots[name]):
+            assert isinstance(job, QueueJob)
+
+            def progress(phase: str, done: int | None, total: int | None) -> None:
+                # A full batch claimed: more is probably due. The next worker is
+                # called in now, while this one holds its entries (its claim
+                # then passes over them), not after this tick.
+                if phase == "claim" and done is not None and done >= job.batch_size:
+                    self._call(name, index + 1)
+
         while not self._stopping.is_set():
             with self._wake_lock:
                 slot.again = False
-            result = self._tick(job)
+            result = self._tick(job, progress)
             if result is None:
                 return
             if index == 0:
@@ -381,16 +394,12 @@ class Scheduler:
                     self.on_result(result)
                 except Exception:
                     log.exception("pgjobs: on_result failed for %s", name)
-            if _full_batch(job, result):
-                # more is due: this worker goes on, and calls in the next one
-                if index + 1 < len(self._slots[name]):
-                    self._call(name, index + 1)
-            elif not slot.again:
+            if not (_more(job, result) or slot.again):
                 return
 
-    def _tick(self, job: Job) -> RunResult | None:
+    def _tick(self, job: Job, progress: Progress | None = None) -> RunResult | None:
         try:
-            result = self.runner.tick(job, next_due=self._next_due(job))
+            result = self.runner.tick(job, next_due=self._next_due(job), progress=progress)
         except Exception as exc:
             if connection_lost(exc):
                 self._outage.down(exc)
@@ -460,13 +469,20 @@ def _listening_again() -> None:
     log.warning("pgjobs: listening for enqueues again")
 
 
-def _full_batch(job: Job, result: RunResult) -> bool:
-    """A queue tick that claimed all it could: more is probably due."""
+def _claimed(job: Job, result: RunResult) -> tuple[int, int]:
+    """(items a queue tick claimed, of which it left queued for later)."""
     if not isinstance(job, QueueJob) or result.outcome is not Outcome.RAN:
-        return False
-    claimed = int(result.detail.get("claimed", result.items))
-    kept = int(result.detail.get("kept", 0))
-    return claimed >= job.batch_size and kept < claimed
+        return 0, 0
+    return int(result.detail.get("claimed", result.items)), int(result.detail.get("kept", 0))
+
+
+def _more(job: Job, result: RunResult) -> bool:
+    """Is another tick due at once? After any tick that took items off the
+    queue: a partial batch does not mean an empty queue when workers claim
+    side by side (two read the same due items, one gets them). The tick
+    that finds nothing ends it, for one work check."""
+    claimed, kept = _claimed(job, result)
+    return claimed > kept
 
 
 class _Slot:

@@ -154,13 +154,19 @@ class Claiming(Base):
         Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
         claimed entries, then (item, null, false, false, null) for deferred items."""
         return sql.SQL(
-            # FOR KEY SHARE SKIP LOCKED passes over the entries another worker
-            # claimed (FOR UPDATE): concurrent workers take the next batch, not
-            # the same one. It does not conflict with a user's enqueue (an
-            # update of no key column), so no enqueue waits for it.
-            "with due as materialized (select key as item from {q} where job = %(job)s"
-            " and dead_at is null and not_before <= now() order by key limit %(n)s"
-            " for key share skip locked), {classify},"
+            # Workers side by side (workers = N, replicas under flow) take
+            # different items: of the first 4 x n due entries in key order, the
+            # first n whose item-level advisory lock this transaction gets
+            # without waiting (two ints: apart from the group locks' bigints).
+            # No row lock here: one would either make a user's enqueue wait, or
+            # (KEY SHARE) keep the other worker's FOR UPDATE off the rows while
+            # its own is kept off: both would claim nothing. The CTE scan stops
+            # at the n-th lock taken.
+            "with candidates as materialized (select key from {q} where job = %(job)s"
+            " and dead_at is null and not_before <= now() order by key limit 4 * %(n)s),"
+            " due as materialized (select key as item from candidates"
+            " where pg_try_advisory_xact_lock(hashtext(%(job)s), hashtext(key::text))"
+            " limit %(n)s), {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
             # plan can turn it into a scan of the job's whole queue), and the
             # due test again: a worker that shares the group's write lock may
