@@ -1,11 +1,12 @@
 """Steps 1 and 2 of a queue worker's tick: claim due items and lock their
 parents, never waiting.
 
-One statement reads up to ``batch_size`` due items in key order, locks
-their parents ``FOR KEY SHARE SKIP LOCKED``, then takes the entries of the
-items whose parents are locked (or gone) ``FOR UPDATE SKIP LOCKED``:
-parents before entries, the order of a user who changes a parent and then
-enqueues it. A queue of the plugin's own (``job.claim``) is claimed by the
+One statement reads up to ``batch_size`` due items in key order (those
+whose item advisory lock it gets: workers side by side take different
+items), locks their parents ``FOR KEY SHARE SKIP LOCKED``, then takes the
+entries of the items whose parents are locked (or gone) ``FOR UPDATE SKIP
+LOCKED``: parents before entries, the order of a user who changes a parent
+and then enqueues it. A queue of the plugin's own (``job.claim``) is claimed by the
 plugin; its items' parents are then locked here the same way.
 """
 
