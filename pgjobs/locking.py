@@ -6,6 +6,11 @@ The loser of a race does not queue behind the winner (that is how a
 periodic recompute used to wait minutes, or deadlock); it returns ``busy``
 at once and tries again at its next tick. The lock lives as long as the
 job's transaction: commit, rollback or a dead client releases it.
+
+Under flow (``docs/DESIGN.md``, "Flow") a group has a write lock that queue
+workers share and a recompute takes exclusively for an instant and for
+each chunk; the workers wait for it, at most a couple of seconds, before
+they hold anything, so that they get in between two chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ DEFAULT_NAMESPACE = "pgjobs"
 TRY_XACT_SQL = "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
 #: the group's write lock, shared among queue workers (flow); never waits
 TRY_XACT_SHARED_SQL = "select pg_try_advisory_xact_lock_shared(hashtextextended(%s, 0))"
+#: ... and what a flow worker takes: waited for, briefly (FLOW_WAIT), behind a
+#: recompute that writes a chunk, so that it gets in between two chunks
+WAIT_XACT_SHARED_SQL = "select true from pg_advisory_xact_lock_shared(hashtextextended(%s, 0))"
 #: two locks, both or none (a recompute that does not flow: its own and the group's)
 TRY_XACT_BOTH_SQL = (
     "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"

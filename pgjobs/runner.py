@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 
@@ -44,8 +45,8 @@ from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
     DEFAULT_NAMESPACE,
     TRY_XACT_BOTH_SQL,
-    TRY_XACT_SHARED_SQL,
     TRY_XACT_SQL,
+    WAIT_XACT_SHARED_SQL,
     lock_name,
     recompute_lock_name,
     release_session_lock,
@@ -428,6 +429,12 @@ class _Tick:
         Both are read-only and transaction-local: when the lock is busy they
         are rolled back. Returns the result of a tick that stops here."""
         statement, self.lock_names = self._lock_statement()
+        waits = statement == WAIT_XACT_SHARED_SQL
+        if waits:
+            timeout = self.job.lock_timeout
+            assert isinstance(timeout, timedelta)
+            wait = min(timeout, FLOW_WAIT) if timeout > timedelta(0) else FLOW_WAIT
+            later(self.conn, _LOCK_TIMEOUT, (f"{int(wait.total_seconds() * 1000)}ms",))
         lock = later(self.conn, statement, self.lock_names)
         state = later(
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
@@ -436,7 +443,13 @@ class _Tick:
         # what the body does, it does under this savepoint: should it fail,
         # the failure is recorded in this transaction, the lock still held
         later(self.conn, _SAVEPOINT_RUN)
-        send(self.conn)
+        try:
+            send(self.conn)
+        except psycopg.errors.LockNotAvailable:
+            if not waits or lock.result is not None:
+                raise
+            self.trans.rollback()  # a recompute wrote longer than FLOW_WAIT
+            return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
         assert lock.result is not None and state.result is not None
         if not lock.result.scalar():
             self.trans.rollback()
@@ -457,7 +470,10 @@ class _Tick:
         namespace, group, job = self.runner.namespace, self._group, self.job
         write = lock_name(namespace, group)
         if isinstance(job, QueueJob) and job.flow:
-            return TRY_XACT_SHARED_SQL, (write,)
+            # waited for, briefly: a recompute holds it exclusively only for
+            # one chunk at a time, and a worker that queues gets in between
+            # two chunks (a try would find the next chunk's request queued)
+            return WAIT_XACT_SHARED_SQL, (write,)
         if isinstance(job, RecomputeJob):
             mine = recompute_lock_name(namespace, group)
             if job.flows:
@@ -660,6 +676,10 @@ _SESSION_CHANGED = (
 _told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
+_LOCK_TIMEOUT = sql.SQL("select set_config('lock_timeout', %s, true)")
+#: the longest a flow worker waits for the group's write lock (a recompute's
+#: chunk, or its start snapshot); then ``busy``
+FLOW_WAIT = timedelta(seconds=2)
 _ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
 _CONSTRAINTS_NOW = sql.SQL("set constraints all immediate")
 

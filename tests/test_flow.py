@@ -331,7 +331,8 @@ def test_r3_a_change_after_the_exclusion_waits_for_the_next_worker_tick(case: Ca
     case.points.wait("R:written")  # excluded, parents locked, rows written; not committed
     case.change(X)
     tried = case.start_worker().result(WAIT)
-    assert tried.outcome == "busy"  # the write lock is R's until it commits
+    # the worker waits for the write lock (FLOW_WAIT at most), R's until it commits
+    assert tried.outcome == "busy"
     case.points.release("R:written")
     ran(r)
     case.drain()
