@@ -21,7 +21,7 @@ import random
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -53,6 +53,7 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
+from .records import Failure, QuietTicks
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -162,9 +163,9 @@ class Runner:
         self.store = Store(schema)
         self.clock = clock
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
-        self.quiet = _Quiet(self.store)
+        self.quiet = QuietTicks(self.store)
         #: failures that could not be written yet (the database was away), by job
-        self._unrecorded: dict[str, _Failure] = {}
+        self._unrecorded: dict[str, Failure] = {}
         self._unrecorded_lock = threading.Lock()
 
     def close(self) -> None:
@@ -201,7 +202,7 @@ class Runner:
         for failure in failures.values():
             log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
 
-    def record_failure(self, failure: _Failure, conn: Connection) -> RunResult:
+    def record_failure(self, failure: Failure, conn: Connection) -> RunResult:
         """Write ``failure`` on ``conn`` if it still works, else on a new
         connection; else keep it and write it once the database answers
         again (:meth:`flush`, before the next tick)."""
@@ -227,7 +228,7 @@ class Runner:
             )
             return failure.result
 
-    def _save_failure(self, conn: Connection, failure: _Failure) -> RunResult:
+    def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
         with conn.begin():
             self.quiet.queue_for(conn, failure.result.job)
             _, recorded = send(
@@ -600,7 +601,7 @@ class _Tick:
             self.conn.invalidate()
 
     # -- step 6 ----------------------------------------------------------------------
-    def _failure(self, exc: Exception) -> _Failure:
+    def _failure(self, exc: Exception) -> Failure:
         job, state = self.job, self.state
         failures = (state.failures if state else 0) + 1
         next_attempt = self.runner.clock() + job.backoff_policy.delay(failures)
@@ -615,7 +616,7 @@ class _Tick:
             next_attempt_at=next_attempt,
         )
         logs.failed(log, result, failures=failures, exc=exc)
-        return _Failure(result=result, failures=failures, started_at=self.started)
+        return Failure(result=result, failures=failures, started_at=self.started)
 
     def _fail_locked(self, exc: Exception) -> RunResult:
         """A failure with the group lock taken: recorded in the job's own
@@ -651,7 +652,7 @@ class _Tick:
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:
         """A tick that changed nothing (idle, busy, not due, backing off):
-        counted, not logged (see :class:`_Quiet`)."""
+        counted, not logged (see :class:`~pgjobs.records.QuietTicks`)."""
         result = RunResult(
             job=self.job.name,
             outcome=outcome,
@@ -682,64 +683,6 @@ _LOCK_TIMEOUT = sql.SQL("select set_config('lock_timeout', %s, true)")
 FLOW_WAIT = timedelta(seconds=2)
 _ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
 _CONSTRAINTS_NOW = sql.SQL("set constraints all immediate")
-
-
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    """A failed run and the state it puts its job in."""
-
-    result: RunResult
-    failures: int
-    started_at: datetime
-
-    def state_query(self, store: Store) -> tuple[sql.Composed, dict[str, Any]]:
-        result = self.result
-        assert result.next_attempt_at is not None and result.error is not None
-        return store.failure_query(
-            result.job,
-            started_at=self.started_at,
-            failures=self.failures,
-            next_attempt_at=result.next_attempt_at,
-            error=result.error,
-            sqlstate=result.sqlstate,
-        )
-
-
-class _Quiet:
-    """Ticks that changed nothing, counted per job and outcome until they are
-    written to ``job_state`` (with the job's next run record, or by
-    :meth:`Runner.flush`): each used to write a row to the run log, and
-    with wake-ups reaching every replica, every enqueue would log one per
-    replica."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._lock = threading.Lock()
-        self._counts: dict[str, dict[str, int]] = {}
-        self._last: dict[str, tuple[datetime, str]] = {}
-
-    def count(self, result: RunResult) -> None:
-        with self._lock:
-            counts = self._counts.setdefault(result.job, {})
-            counts[str(result.outcome)] = counts.get(str(result.outcome), 0) + 1
-            self._last[result.job] = (result.finished_at, str(result.outcome))
-
-    def take(self, job: str) -> tuple[dict[str, int], tuple[datetime, str]] | None:
-        with self._lock:
-            counts = self._counts.pop(job, None)
-            last = self._last.pop(job, None)
-        return None if counts is None or last is None else (counts, last)
-
-    def jobs(self) -> list[str]:
-        with self._lock:
-            return list(self._counts)
-
-    def queue_for(self, conn: Connection, job: str) -> None:
-        """Queue the job's counts for the next round trip (a run record's)."""
-        taken = self.take(job)
-        if taken is not None:
-            counts, (at, outcome) = taken
-            later(conn, *self.store.quiet_query(job, counts, at, outcome))
 
 
 __all__ = ["BODIES", "Runner", "body_of"]

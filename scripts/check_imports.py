@@ -7,9 +7,9 @@
 
 Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
-    face         cli, progress, scheduler, api, testing, demo, web, metrics, tracing, serve, __init__
+    face         cli, progress, scheduler, api, testing, demo, web, snapshot, metrics, tracing, serve, __init__
     definitions  checks, registry, config, hookspecs
-    protocol     runner
+    protocol     runner, records
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, locking, database, embedded
     model        jobs, results, errors, durations, backoff, logs
@@ -40,13 +40,14 @@ LAYERS: list[tuple[str, set[str]]] = [
             "testing",
             "demo",
             "web",
+            "snapshot",
             "metrics",
             "tracing",
             "serve",
         },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs"}),
-    ("protocol", {"runner"}),
+    ("protocol", {"runner", "records"}),
     ("bodies", {"recompute", "worker"}),
     (
         "writers",
