@@ -170,12 +170,17 @@ class Claiming(Base):
             " limit %(n)s), {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
             # plan can turn it into a scan of the job's whole queue), and the
-            # due test again: a worker that shares the group's write lock may
-            # have failed the item (not_before later) since "due" read it.
+            # due test again on the row it locked: a worker beside this one may
+            # have failed the item (not_before later) since "due" read it. The
+            # test stays outside the probe, behind OFFSET 0 (no push-down):
+            # inside, it matched the partial index queue_due_idx, and each
+            # probe scanned the job's due entries (a batch of 100 took 67 ms
+            # instead of 34).
             " c as materialized (select e.key, e.attempts, e.enqueued_at from s, lateral"
-            " (select q.key, q.attempts, q.enqueued_at from {q} as q where q.job = %(job)s"
-            " and q.key = s.item and q.dead_at is null and q.not_before <= now()"
-            " for update of q skip locked) as e where s.locked or not s.present){load}"
+            " (select q.key, q.attempts, q.enqueued_at, q.dead_at, q.not_before from {q} as q"
+            " where q.job = %(job)s and q.key = s.item offset 0 for update of q skip locked) as e"
+            " where (s.locked or not s.present) and e.dead_at is null"
+            " and e.not_before <= now()){load}"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
             " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8 from c"
             " union all select s.item::text, null, false, false, null from s"
