@@ -114,6 +114,8 @@ MAX_CHUNK_ROWS = 10_000_000
 MAX_ATTEMPTS = 1_000
 #: concurrent workers of one queue job in one process
 MAX_WORKERS = 64
+#: workers x batch_size, when workers > 1 (each holds an advisory lock per item it claims)
+MAX_WORKER_ITEMS = 2_000
 
 
 def check_text(value: object, field: str, *, what: str = "a non-empty string") -> str:
@@ -598,6 +600,13 @@ class QueueJob(_DiffJob):
             raise ConfigError(f"{where}: after: expected a callable, got {self.after!r}")
         check_count(self.batch_size, f"{where}: batch_size", MAX_BATCH)
         check_count(self.workers, f"{where}: workers", MAX_WORKERS)
+        if self.workers > 1 and self.workers * self.batch_size > MAX_WORKER_ITEMS:
+            raise ConfigError(
+                f"{where}: workers: {self.workers} workers of batch_size {self.batch_size}"
+                f" would hold {self.workers * self.batch_size:,} item locks at once; at most"
+                f" {MAX_WORKER_ITEMS:,} (PostgreSQL's lock table holds max_locks_per_transaction"
+                " x max_connections, 6,400 by default): fewer workers or a smaller batch_size"
+            )
         if self.workers > 1 and not self.flow:
             raise ConfigError(
                 f"{where}: workers: {self.workers} workers share the group's write lock, which"

@@ -285,9 +285,13 @@ def test_a_job_with_two_workers_runs_two_batches_at_once(db: Engine) -> None:
         assert conn.execute(text("select count(*) from status where runs > 1")).scalar() == 0
 
 
-def test_several_workers_need_flow() -> None:
+def test_several_workers_need_flow_and_a_bounded_number_of_item_locks() -> None:
     with pytest.raises(pgjobs.ConfigError, match="workers"):
         make_job(workers=2, flow=False)
+    # each worker holds an advisory lock per item it claims
+    assert make_job(workers=4, batch_size=500).workers == 4
+    with pytest.raises(pgjobs.ConfigError, match="2,001 item locks"):
+        make_job(workers=3, batch_size=667)
     with pytest.raises(pgjobs.ConfigError, match="workers"):
         make_job(workers=0)
 

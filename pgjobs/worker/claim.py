@@ -155,19 +155,7 @@ class Claiming(Base):
         Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
         claimed entries, then (item, null, false, false, null) for deferred items."""
         return sql.SQL(
-            # Workers side by side (workers = N, replicas under flow) take
-            # different items: of the first 4 x n due entries in key order, the
-            # first n whose item-level advisory lock this transaction gets
-            # without waiting (two ints: apart from the group locks' bigints).
-            # No row lock here: one would either make a user's enqueue wait, or
-            # (KEY SHARE) keep the other worker's FOR UPDATE off the rows while
-            # its own is kept off: both would claim nothing. The CTE scan stops
-            # at the n-th lock taken.
-            "with candidates as materialized (select key from {q} where job = %(job)s"
-            " and dead_at is null and not_before <= now() order by key limit 4 * %(n)s),"
-            " due as materialized (select key as item from candidates"
-            " where pg_try_advisory_xact_lock(hashtext(%(job)s), hashtext(key::text))"
-            " limit %(n)s), {classify},"
+            "with {due}, {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
             # plan can turn it into a scan of the job's whole queue), and the
             # due test again on the row it locked: a worker beside this one may
@@ -187,9 +175,34 @@ class Claiming(Base):
             " where s.present and not s.locked"
         ).format(
             q=self.queue,
+            due=self._due_sql(),
             classify=self._classify_ctes(sql.SQL("due")),
             load=self._load_sql() if load else sql.SQL(""),
         )
+
+    def _due_sql(self) -> sql.Composed:
+        """The CTE ``due``: up to ``batch_size`` due items in key order, read
+        without a lock. A job with several workers takes different items in
+        each: of the first 4 x batch_size due entries, the first batch_size
+        whose item advisory lock (two ints: apart from the group locks'
+        bigints) this transaction gets without waiting; the scan stops at the
+        last one taken. A row lock could not do it: ``FOR NO KEY UPDATE``
+        would make a user's enqueue wait, and ``FOR KEY SHARE`` keeps another
+        worker's ``FOR UPDATE SKIP LOCKED`` off the rows while its own is kept
+        off the same way (both claimed nothing). One lock per item, so only
+        with ``workers`` > 1 (``workers x batch_size`` is bounded for it)."""
+        if self.job.workers == 1:
+            return sql.SQL(
+                "due as materialized (select key as item from {q} where job = %(job)s"
+                " and dead_at is null and not_before <= now() order by key limit %(n)s)"
+            ).format(q=self.queue)
+        return sql.SQL(
+            "candidates as materialized (select key from {q} where job = %(job)s"
+            " and dead_at is null and not_before <= now() order by key limit 4 * %(n)s),"
+            " due as materialized (select key as item from candidates"
+            " where pg_try_advisory_xact_lock(hashtext(%(job)s), hashtext(key::text))"
+            " limit %(n)s)"
+        ).format(q=self.queue)
 
     def _load_sql(self) -> sql.Composed:
         """CTEs of the claim that put the keys of the items it claims (and
