@@ -25,6 +25,9 @@ from .base import Base, _error_text, _is_run_level
 
 log = logging.getLogger(__name__)
 
+#: up to this batch size the claim also loads the keys table (a round trip saved)
+PRELOAD_BATCH = 100
+
 
 class Claiming(Base):
     """The claim of a tick (see the module docstring)."""
@@ -48,12 +51,16 @@ class Claiming(Base):
             # back in the same round trip (see _process).
             shape = later(self.conn, self._KEYS_SHAPE)
             first = self._next_savepoint()
+            # Only for small batches, where the round trip is what counts: at
+            # batch 1,000 loading inside the claim drained at 3,000 items/s
+            # against 5,300 loaded apart.
+            preload = self.job.batch_size <= PRELOAD_BATCH
             try:
                 _, rows, _, keys = send(
                     self.conn,
                     (sql.SQL("savepoint {}").format(sp), None),
                     (
-                        self._claim_sql(load=True),
+                        self._claim_sql(load=preload),
                         {"job": self.job.name, "n": self.job.batch_size},
                     ),
                     (sql.SQL("savepoint {}").format(first), None),
@@ -79,7 +86,7 @@ class Claiming(Base):
                 result = self.raw.execute(
                     self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
                 ).fetchall()
-            else:
+            elif preload:
                 self.preloaded = (first, [tuple(k) for k in keys.all()])
         except psycopg.DataError:
             # A key that does not convert to the scope's types: claim plainly
