@@ -21,7 +21,7 @@ item (inside its transaction, just before its commit): p50, p95, max.
 
 **Workers**: the same backlog (batch 100, update passes) drained by a
 Scheduler whose job has ``workers`` = 1, 2, 4; and four workers draining
-without pause beside a recompute of their group every 2 s (flow): the
+without pause beside a recompute of their group every 5 s (flow): the
 longest gap between the recompute's starts says whether the workers starve it.
 
 Also the median cost of an idle tick. Prints a table with the machine's
@@ -353,11 +353,14 @@ def starvation(server: str, seconds: float, every: float) -> dict:
                 lock_timeout="30s",
             )
             starts: list[float] = []
+            runs: list[tuple[float, float, float]] = []
             counting = Counting()
 
             def on_result(result) -> None:
                 if result.job == "starve-r" and result.outcome == "ran":
                     starts.append(result.started_at.timestamp())
+                    took = (result.finished_at - result.started_at).total_seconds()
+                    runs.append((took, result.compute_seconds, result.write_seconds))
                 elif result.job == "starve-w":
                     counting(result)
 
@@ -388,6 +391,7 @@ def starvation(server: str, seconds: float, every: float) -> dict:
         "recomputes": len(starts),
         "max_gap": max(gaps, default=float("nan")),
         "worker_items": counting.items,
+        "longest_run": max(runs, default=(float("nan"),) * 3),
     }
 
 
@@ -430,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-samples", type=int, default=300)
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument(
-        "--starve-seconds", type=float, default=20.0, help="four workers beside a recompute (0: no)"
+        "--starve-every", type=float, default=5.0, help="the recompute's interval there"
+    )
+    parser.add_argument(
+        "--starve-seconds", type=float, default=30.0, help="four workers beside a recompute (0: no)"
     )
     parser.add_argument(
         "--trickle-seconds", type=float, default=30.0, help="length of a trickle pass (0: none)"
@@ -450,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
             trickle(server, args.trickle_seconds, 10.0, args.repeat) if args.trickle_seconds else []
         )
         by_workers = workers_drain(server, args.items, args.workers, args.repeat)
-        starving = starvation(server, args.starve_seconds, 2.0) if args.starve_seconds else None
+        starving = (
+            starvation(server, args.starve_seconds, args.starve_every)
+            if args.starve_seconds
+            else None
+        )
         idle = idle_tick(server, args.idle_samples)
 
     summary = []
@@ -498,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"four workers draining for {starving['seconds']:.0f} s beside a recompute every"
             f" {starving['every']:.0f} s: {starving['recomputes']} recomputes, longest gap between"
-            f" their starts {starving['max_gap']:.2f} s, {starving['worker_items']:,} items"
+            f" their starts {starving['max_gap']:.2f} s, {starving['worker_items']:,} items;"
+            " longest recompute {:.2f} s (compute {:.2f} s, write {:.2f} s)".format(
+                *starving["longest_run"]
+            )
         )
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(_machine.describe(machine))
