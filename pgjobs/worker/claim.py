@@ -50,27 +50,27 @@ class Claiming(Base):
             # the savepoint of their processing and the keys themselves come
             # back in the same round trip (see _process).
             shape = later(self.conn, self._KEYS_SHAPE)
-            first = self._next_savepoint()
             # Only for small batches, where the round trip is what counts: at
             # batch 1,000 loading inside the claim drained at 3,000 items/s
             # against 5,300 loaded apart.
             preload = self.job.batch_size <= PRELOAD_BATCH
-            try:
-                _, rows, _, keys = send(
-                    self.conn,
-                    (sql.SQL("savepoint {}").format(sp), None),
-                    (
-                        self._claim_sql(load=preload),
-                        {"job": self.job.name, "n": self.job.batch_size},
-                    ),
-                    (sql.SQL("savepoint {}").format(first), None),
+            first = self._next_savepoint() if preload else None
+            statements: list[tuple[sql.Composable, Any]] = [
+                (sql.SQL("savepoint {}").format(sp), None),
+                (self._claim_sql(load=preload), {"job": self.job.name, "n": self.job.batch_size}),
+            ]
+            if first is not None:  # after the claim: its savepoint, and the keys it loaded
+                statements.append((sql.SQL("savepoint {}").format(first), None))
+                statements.append(
                     (
                         sql.SQL("select {c} from pg_temp.{t} order by {c}").format(
                             c=self.scope, t=self.keys_table
                         ),
                         None,
-                    ),
+                    )
                 )
+            try:
+                _, rows, *loaded = send(self.conn, *statements)
                 fits = self._keys_table_fits(shape.result.one() if shape.result else None)
                 result = rows.all() if fits else []
             except psycopg.DatabaseError as exc:
@@ -86,8 +86,8 @@ class Claiming(Base):
                 result = self.raw.execute(
                     self._claim_sql(), {"job": self.job.name, "n": self.job.batch_size}
                 ).fetchall()
-            elif preload:
-                self.preloaded = (first, [tuple(k) for k in keys.all()])
+            elif first is not None:
+                self.preloaded = (first, [tuple(k) for k in loaded[-1].all()])
         except psycopg.DataError:
             # A key that does not convert to the scope's types: claim plainly
             # and find it one by one (rare, so this path may hold the entries
