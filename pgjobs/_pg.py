@@ -287,6 +287,14 @@ def qualified(name: str) -> sql.Identifier:
     return sql.Identifier(*parts)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of what the driver said (SQLAlchemy's wrapper unwrapped),
+    or the error's type when it said nothing."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip()
+    return text.splitlines()[0] if text else type(orig).__name__
+
+
 def sqlstate_of(exc: BaseException | None) -> str | None:
     """The SQLSTATE of the first database error in ``exc``'s chain, if any."""
     seen: set[int] = set()

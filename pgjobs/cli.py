@@ -94,9 +94,9 @@ def _errors() -> Iterator[None]:
 
         if not isinstance(exc, DBAPIError):
             raise
-        orig = getattr(exc, "orig", None) or exc
-        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        click.echo(f"pgjobs: database error: {first}", err=True)
+        from ._pg import first_line
+
+        click.echo(f"pgjobs: database error: {first_line(exc)}", err=True)
         sys.exit(EXIT_DATABASE)
 
 
@@ -290,7 +290,7 @@ def run(
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
     """Start ``scheduler``; while the database cannot be reached, wait for it
     (one line says so), unless not ``wait``. False: stopped while waiting."""
-    from ._pg import connection_lost
+    from ._pg import connection_lost, first_line
 
     waiting_since: float | None = None
     while True:
@@ -301,10 +301,8 @@ def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
                 raise
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                orig = getattr(exc, "orig", None) or exc
-                first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
                 click.echo(
-                    f"pgjobs: the database is unreachable ({first}); waiting for it"
+                    f"pgjobs: the database is unreachable ({first_line(exc)}); waiting for it"
                     " (--exit-if-unreachable exits 3 instead)",
                     err=True,
                 )

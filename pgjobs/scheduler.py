@@ -54,7 +54,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from ._pg import connection_lost
+from ._pg import connection_lost, first_line
 from .checks import check_jobs
 from .database import transaction_pooling
 from .durations import Duration, parse_duration
@@ -461,7 +461,7 @@ class Scheduler:
 def _lost_listening(exc: BaseException) -> None:
     log.warning(
         "pgjobs: not listening for enqueues (%s); the queue jobs poll until it can again",
-        _first_line(exc),
+        first_line(exc),
     )
 
 
@@ -511,7 +511,7 @@ class _Outage:
         log.warning(
             "pgjobs: the database is unreachable (%s); the jobs wait for it, trying again"
             " at their next tick",
-            _first_line(exc),
+            first_line(exc),
         )
         log.debug("pgjobs: the error", exc_info=exc)
 
@@ -524,12 +524,6 @@ class _Outage:
             log.warning(
                 "pgjobs: the database answers again, after %.1f s", time.monotonic() - since
             )
-
-
-def _first_line(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None) or exc
-    text = str(orig).strip()
-    return text.splitlines()[0] if text else type(orig).__name__
 
 
 class Lifespan:
