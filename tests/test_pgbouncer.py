@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import os
-import shutil
+import pwd
 import socket
 import subprocess
 import threading
@@ -36,25 +36,13 @@ import pgjobs
 import pgjobs.worker.vacuum
 from pgjobs.cli import cli
 from pgjobs.database import ENV_TRANSACTION_POOLING, transaction_pooling
+from extras import binary, first_address, retarget
+
 from pgjobs.testing import fresh_database, run_sql, run_tick
 
-INSTALL_HINT = (
-    "these tests need PgBouncer (the Debian package): apt-get install -y pgbouncer "
-    "(macOS: brew install pgbouncer), or put a pgbouncer binary on $PATH"
-)
 
 #: server connections in the pool: two, so that consecutive transactions alternate
 POOL_SIZE = 2
-
-
-def pgbouncer_binary() -> str:
-    # Debian installs it in /usr/sbin, which a non-root $PATH often lacks.
-    found = shutil.which("pgbouncer") or shutil.which(
-        "pgbouncer", path="/usr/sbin:/usr/local/sbin:/sbin"
-    )
-    if found is None:
-        pytest.fail(f"pgbouncer is not installed: {INSTALL_HINT}", pytrace=False)
-    return found
 
 
 def free_port() -> int:
@@ -83,14 +71,12 @@ class Bouncer:
 def pgbouncer(direct_url: str, directory: Path) -> Iterator[Bouncer]:
     """A PgBouncer in transaction mode in front of ``direct_url``'s database,
     listening on a free port of 127.0.0.1, stopped when the block ends."""
-    binary = pgbouncer_binary()
+    program = binary("pgbouncer")
     server = make_url(direct_url)
-    host = server.host or server.query.get("host") or "127.0.0.1"
-    if isinstance(host, tuple):
-        host = host[0]
+    host, server_port = first_address(direct_url)
     user = server.username or "postgres"
     port = free_port()
-    target = f"host={host} port={server.port or 5432} dbname={server.database}"
+    target = f"host={host} port={server_port} dbname={server.database}"
     # auth_type trust still needs the user in auth_file; the password there
     # (if the test server wants one) is what PgBouncer logs in with.
     (directory / "users.txt").write_text(f"{quoted(user)} {quoted(server.password or '')}\n")
@@ -117,17 +103,20 @@ def pgbouncer(direct_url: str, directory: Path) -> Iterator[Bouncer]:
             ]
         )
     )
-    command = [binary]
+    command = [program]
     if os.geteuid() == 0:
         # PgBouncer refuses to run as root; -u drops to that user once it
-        # has read its files (which may then stay private to root).
-        command += ["-u", "nobody"]
+        # has read its files (which may then stay private to root): the
+        # owner of the server's socket directory where it dials one (the
+        # embedded server's, private to its user), else nobody.
+        owner = pwd.getpwuid(os.stat(host).st_uid).pw_name if host.startswith("/") else "nobody"
+        command += ["-u", owner]
     command.append(str(ini))
     log = directory / "pgbouncer.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        url = server.set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+        url = retarget(direct_url, host="127.0.0.1", port=port)
         _wait_listening(process, port, log)
         backends = _open_the_pool(url)
         yield Bouncer(url=url, direct_url=direct_url, log=log, backends=backends)
@@ -336,6 +325,7 @@ RECOMPUTE = pgjobs.RecomputeJob(
 
 
 # -- the pooler is real ----------------------------------------------------------------------
+@pytest.mark.needs("pgbouncer")
 def test_one_clients_consecutive_transactions_run_in_different_server_sessions(
     bouncer: Bouncer,
 ) -> None:
@@ -358,6 +348,7 @@ def test_one_clients_consecutive_transactions_run_in_different_server_sessions(
 
 
 # -- recompute ---------------------------------------------------------------------------------
+@pytest.mark.needs("pgbouncer")
 def test_a_recompute_through_pgbouncer_writes_the_target_then_only_the_difference(
     bouncer: Bouncer, direct: Engine
 ) -> None:
@@ -378,6 +369,7 @@ def test_a_recompute_through_pgbouncer_writes_the_target_then_only_the_differenc
     assert advisory_locks(direct) == []
 
 
+@pytest.mark.needs("pgbouncer")
 def test_ticks_on_one_long_lived_runner_leave_no_prepared_statement_in_any_server_session(
     bouncer: Bouncer, direct: Engine
 ) -> None:
@@ -398,6 +390,7 @@ def test_ticks_on_one_long_lived_runner_leave_no_prepared_statement_in_any_serve
     assert derived(direct) == expected(direct)
 
 
+@pytest.mark.needs("pgbouncer")
 def test_the_group_lock_taken_through_pgbouncer_makes_a_tick_from_another_client_busy(
     bouncer: Bouncer, direct: Engine, pooled: Engine
 ) -> None:
@@ -421,6 +414,7 @@ def test_the_group_lock_taken_through_pgbouncer_makes_a_tick_from_another_client
 
 
 # -- the queue ----------------------------------------------------------------------------------
+@pytest.mark.needs("pgbouncer")
 def test_enqueue_through_pgbouncer_dedups_and_its_lock_keeps_the_worker_off_until_commit(
     bouncer: Bouncer, direct: Engine, pooled: Engine
 ) -> None:
@@ -455,6 +449,7 @@ def test_enqueue_through_pgbouncer_dedups_and_its_lock_keeps_the_worker_off_unti
     assert derived(direct) == want
 
 
+@pytest.mark.needs("pgbouncer")
 def test_several_clients_enqueue_and_tick_concurrently_through_pgbouncer(
     bouncer: Bouncer, direct: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,6 +518,7 @@ def test_several_clients_enqueue_and_tick_concurrently_through_pgbouncer(
 
 
 # -- failures -----------------------------------------------------------------------------------
+@pytest.mark.needs("pgbouncer")
 def test_a_failing_job_through_pgbouncer_is_recorded_and_backs_off(
     bouncer: Bouncer, direct: Engine, pooled: Engine
 ) -> None:
@@ -561,6 +557,7 @@ CHUNKED = pgjobs.RecomputeJob(
 )
 
 
+@pytest.mark.needs("pgbouncer")
 def test_chunked_writes_behind_pgbouncer_write_in_one_transaction(
     bouncer: Bouncer, direct: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -588,6 +585,7 @@ def test_chunked_writes_behind_pgbouncer_write_in_one_transaction(
     assert derived(direct) == expected(direct)
 
 
+@pytest.mark.needs("pgbouncer")
 def test_without_the_setting_a_chunked_run_behind_pgbouncer_fails_at_its_first_commit(
     bouncer: Bouncer, direct: Engine, pooled: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -610,6 +608,7 @@ def test_without_the_setting_a_chunked_run_behind_pgbouncer_fails_at_its_first_c
 
 
 # -- the CLI --------------------------------------------------------------------------------------
+@pytest.mark.needs("pgbouncer")
 def test_status_json_through_pgbouncer(bouncer: Bouncer, direct: Engine, tmp_path: Path) -> None:
     config = tmp_path / "pgjobs.toml"
     config.write_text(
@@ -682,11 +681,3 @@ def test_a_bad_value_of_the_setting_is_a_usage_error_naming_it(
     assert result.exit_code == 2
     assert "$PGJOBS_TRANSACTION_POOLING: expected 1, true, yes, on" in result.stderr
     assert "got 'maybe'" in result.stderr
-
-
-def test_without_pgbouncer_installed_the_tests_fail_saying_how_to_install_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    with pytest.raises(pytest.fail.Exception, match="apt-get install -y pgbouncer"):
-        pgbouncer_binary()

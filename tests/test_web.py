@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from extras import binary
 from fastapi import FastAPI
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
@@ -86,11 +86,10 @@ def pgjobs_command() -> list[str]:
 
 def chromium(tmp_path: Path, *args: str) -> str:
     """Run Debian's headless Chromium with a fresh profile; its stdout."""
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert binary, "chromium is missing: apt-get install -y chromium (.ci/run does)"
+    program = binary("chromium")
     profile = tmp_path / f"chromium-{time.monotonic_ns()}"
     proc = subprocess.run(
-        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        [program, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -211,6 +210,7 @@ def artifacts(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.needs("chromium")
 def test_the_status_page_in_a_real_browser(running: tuple[str, Engine], tmp_path: Path) -> None:
     url, engine = running
     wait_for(engine, "select exists (select from pgjobs.run where job = 'scores')")
