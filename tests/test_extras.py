@@ -50,9 +50,7 @@ def test_the_summary_names_what_was_left_out_and_how_to_install_it(
             """
         )
     )
-    pytester.makeini(
-        "[pytest]\nmarkers =\n    needs(program): needs a program\n    slow: a soak\n"
-    )
+    pytester.makeini("[pytest]\nmarkers =\n    needs(program): needs a program\n    slow: a soak\n")
     pytester.makepyfile(
         textwrap.dedent(
             """

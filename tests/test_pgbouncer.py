@@ -29,6 +29,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from click.testing import CliRunner
+from extras import binary, first_address, retarget
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
@@ -36,10 +37,7 @@ import pgjobs
 import pgjobs.worker.vacuum
 from pgjobs.cli import cli
 from pgjobs.database import ENV_TRANSACTION_POOLING, transaction_pooling
-from extras import binary, first_address, retarget
-
 from pgjobs.testing import fresh_database, run_sql, run_tick
-
 
 #: server connections in the pool: two, so that consecutive transactions alternate
 POOL_SIZE = 2
