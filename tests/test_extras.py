@@ -4,6 +4,7 @@ in the run's summary."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_the_summary_names_what_was_left_out_and_how_to_install_it(
 ) -> None:
     monkeypatch.delenv(ENV_REQUIRE, raising=False)
     monkeypatch.setenv("PATH", str(pytester.path))  # none of the programs is on it
-    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     pytester.makeconftest(
         (HERE / "conftest.py").read_text()
         + textwrap.dedent(
@@ -69,7 +70,8 @@ def test_the_summary_names_what_was_left_out_and_how_to_install_it(
             """
         )
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    # in a process of its own: the inner conftest's shutil.which stays there
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=2)
     result.stdout.fnmatch_lines(
         [
@@ -79,7 +81,7 @@ def test_the_summary_names_what_was_left_out_and_how_to_install_it(
         ]
     )
     monkeypatch.setenv(ENV_REQUIRE, "1")
-    required = pytester.runpytest("-p", "no:cacheprovider")
+    required = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     required.assert_outcomes(passed=1, errors=2)  # failed at setup
 
 
