@@ -1,0 +1,340 @@
+"""Drift (``pgjobs check``, :func:`pgjobs.check`): what a recompute would
+write, seen on a real PostgreSQL without writing.
+
+Drift is injected into a derived table (rows missing, wrong and extra) and a
+user deletes a parent while the check computes: the check reports exactly
+those rows, the table is unchanged afterwards, the user's delete does not
+wait for the check, ``pgjobs once`` repairs exactly what was reported and
+the check finds nothing after it. Rows of queued items are reported apart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+import pgjobs
+from pgjobs.cli import cli
+from pgjobs.testing import run_sql
+
+SCHEMA = """
+create table exam (id int primary key);
+create table answer (
+    exam_id int not null references exam (id) on delete cascade,
+    student int not null,
+    points int not null);
+create table exam_score (
+    exam_id int not null references exam (id) on delete cascade,
+    student int not null,
+    score int not null,
+    primary key (exam_id, student));
+insert into exam select g from generate_series(1, 10) g;
+insert into answer select e, s, q from generate_series(1, 10) e, generate_series(1, 5) s,
+    generate_series(1, 3) q;
+"""
+
+SCORES = (
+    "select a.exam_id, a.student, sum(a.points)::int as score from answer a"
+    " group by a.exam_id, a.student"
+)
+SCORES_FOR_ITEMS = (
+    "select a.exam_id, a.student, sum(a.points)::int as score from answer a"
+    " where a.exam_id = any(:keys) group by a.exam_id, a.student"
+)
+
+
+def recompute(**fields: Any) -> pgjobs.RecomputeJob:
+    fields.setdefault("compute", SCORES)
+    return pgjobs.RecomputeJob(name="scores", group="exams", target="exam_score", **fields)
+
+
+def worker() -> pgjobs.QueueJob:
+    return pgjobs.QueueJob(
+        name="scores-worker",
+        group="exams",
+        target="exam_score",
+        scope=("exam_id",),
+        compute=SCORES_FOR_ITEMS,
+    )
+
+
+def table(engine: Engine) -> list[tuple[int, int, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("select * from exam_score order by 1, 2")).all()
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+INJECT = """
+delete from exam_score where (exam_id, student) in ((2, 1), (3, 4));
+update exam_score set score = score + 100 where (exam_id, student) in ((4, 2), (5, 5), (6, 1));
+insert into exam_score values (1, 99, 7);
+"""
+
+
+@pytest.fixture
+def exams(engine: Engine) -> Engine:
+    """Ten exams of five students, scores derived exactly, then drift injected."""
+    run_sql(engine, SCHEMA)
+    assert pgjobs.run_once(recompute(), engine, force=True).outcome is pgjobs.Outcome.RAN
+    run_sql(engine, INJECT)
+    return engine
+
+
+def keys(result: pgjobs.CheckResult, kind: str) -> list[tuple[Any, ...]]:
+    return [tuple(s.key.values()) for s in result.samples.get(kind, ())]
+
+
+def test_injected_drift_is_reported_exactly_with_samples(exams: Engine) -> None:
+    before = table(exams)
+    result = pgjobs.check(recompute(), exams)
+    assert result.drift
+    assert (result.inserted, result.updated, result.deleted) == (2, 3, 1)
+    assert result.skipped_missing_parent == 0
+    assert result.unchanged == 50 - 2 - 3
+    assert keys(result, "inserted") == [(2, 1), (3, 4)]
+    assert keys(result, "updated") == [(4, 2), (5, 5), (6, 1)]
+    assert keys(result, "deleted") == [(1, 99)]
+    first = result.samples["updated"][0]
+    assert first.old == {"exam_id": 4, "student": 2, "score": 106}
+    assert first.new == {"exam_id": 4, "student": 2, "score": 6}
+    assert first.changed == ("score",)
+    assert result.samples["inserted"][0].old is None
+    assert result.samples["deleted"][0].new is None
+    assert result.samples["deleted"][0].old == {"exam_id": 1, "student": 99, "score": 7}
+    assert table(exams) == before  # nothing written
+
+
+def test_the_sample_is_the_first_n_keys(exams: Engine) -> None:
+    result = pgjobs.check(recompute(), exams, sample=1)
+    assert keys(result, "updated") == [(4, 2)]
+    assert result.updated == 3
+    assert pgjobs.check(recompute(), exams, sample=0).samples == {}
+
+
+def test_no_drift_after_a_recompute(exams: Engine) -> None:
+    pgjobs.run_once(recompute(), exams, force=True)
+    result = pgjobs.check(recompute(), exams)
+    assert not result.drift
+    assert result.stats == pgjobs.DiffStats(unchanged=50)
+    assert result.samples == {}
+
+
+def test_the_check_takes_no_row_lock_and_a_writing_compute_fails_it(exams: Engine) -> None:
+    def writing(conn: Any) -> str:
+        conn.execute(text("update exam set id = id where id = 1"))
+        return SCORES
+
+    with pytest.raises(pgjobs.JobError, match="RowExclusiveLock on exam"):
+        pgjobs.check(recompute(compute=writing), exams)
+
+    def locking(conn: Any) -> str:
+        conn.execute(text("select from exam where id = 1 for key share"))
+        return SCORES
+
+    with pytest.raises(pgjobs.JobError, match="RowShareLock on exam"):
+        pgjobs.check(recompute(compute=locking), exams)
+    assert table(exams)[-1] == (10, 5, 6)
+
+
+def test_rows_of_queued_items_are_on_their_way_not_drift(exams: Engine) -> None:
+    pgjobs.install(exams)
+    with exams.begin() as conn:
+        pgjobs.enqueue(conn, worker(), [4, 1])  # the updated (4, 2) and the extra (1, 99)
+    result = pgjobs.check(recompute(), exams, workers=[worker()])
+    assert (result.inserted, result.updated, result.deleted) == (2, 2, 0)
+    assert (result.on_the_way.updated, result.on_the_way.deleted) == (1, 1)
+    assert keys(result, "on_the_way") == [(1, 99), (4, 2)]
+    # a parked (dead) item is not on its way: its rows are drift
+    run_sql(exams, "update pgjobs.queue set dead_at = now() where key = '[1]'")
+    result = pgjobs.check(recompute(), exams, workers=[worker()])
+    assert (result.deleted, result.on_the_way.deleted) == (1, 0)
+
+
+def test_a_queue_job_is_checked_for_its_items(exams: Engine) -> None:
+    pgjobs.install(exams)
+    result = pgjobs.check(worker(), exams, keys=[4, 1, 7])
+    assert result.keys == ((1,), (4,), (7,))
+    assert (result.inserted, result.updated, result.deleted) == (0, 1, 1)
+    assert result.unchanged == 14
+    assert keys(result, "updated") == [(4, 2)]
+    with exams.begin() as conn:
+        pgjobs.enqueue(conn, worker(), [4])
+    result = pgjobs.check(worker(), exams, keys=[4])
+    assert (result.updated, result.on_the_way.updated) == (0, 1)
+    with pytest.raises(pgjobs.ConfigError, match="give keys"):
+        pgjobs.check(worker(), exams)
+
+
+# -- a parent deleted while the check computes, through the command line ---------------
+PLUGIN = """
+import threading
+
+import pgjobs
+from sqlalchemy import text
+
+computed = threading.Event()
+deleted = threading.Event()
+
+SCORES = {scores!r}
+
+
+def compute(conn):
+    rows = [tuple(r) for r in conn.execute(text(SCORES))]
+    computed.set()
+    assert deleted.wait(10), "the user's delete did not come"
+    return rows
+
+
+@pgjobs.hookimpl
+def pgjobs_register_jobs(register):
+    register(pgjobs.RecomputeJob(name="scores", group="exams", target="exam_score",
+                                 compute=compute))
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Path]]:
+    name = f"driftplug_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(PLUGIN.format(scores=SCORES)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(f'plugins = ["{name}"]\n')
+    module = __import__(name)
+    try:
+        yield module, config
+    finally:
+        sys.modules.pop(name, None)
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_a_parent_deleted_during_the_compute_is_skipped_and_the_user_does_not_wait(
+    exams: Engine, db_url: str, plugin: tuple[Any, Path]
+) -> None:
+    module, config = plugin
+    waited: list[float] = []
+    errors: list[BaseException] = []
+
+    def user() -> None:
+        try:
+            assert module.computed.wait(20), "the check never computed"
+            # a bounded wait: should the delete wait for the check, it fails
+            # after 2 s (lock_timeout) instead of hanging
+            with psycopg.connect(db_url.replace("+psycopg", ""), connect_timeout=5) as conn:
+                conn.execute("set lock_timeout = '2s'")
+                started = time.perf_counter()
+                conn.execute("delete from exam where id = 10")
+                conn.commit()
+                waited.append(time.perf_counter() - started)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            module.deleted.set()
+
+    before = [row for row in table(exams) if row[0] != 10]
+    thread = threading.Thread(target=user)
+    thread.start()
+    result = invoke("check", "scores", "--config", str(config), "--database", db_url, "--json")
+    thread.join(30)
+    assert not errors, errors
+    assert waited and waited[0] < 1.0, waited
+    assert result.exit_code == 1, result.output
+    figures = json.loads(result.output)
+    assert figures["job"] == "scores" and figures["drift"] is True
+    assert {k: figures[k] for k in ("inserted", "updated", "deleted")} == {
+        "inserted": 2,
+        "updated": 3,
+        "deleted": 1,
+    }
+    # the five rows of exam 10: computed before its delete, parent gone since
+    assert figures["skipped_missing_parent"] == 5
+    assert figures["unchanged"] == 40
+    samples = figures["samples"]
+    assert [s["key"] for s in samples["skipped_missing_parent"]] == [
+        {"exam_id": 10, "student": s} for s in range(1, 6)
+    ]
+    assert [s["key"] for s in samples["inserted"]] == [
+        {"exam_id": 2, "student": 1},
+        {"exam_id": 3, "student": 4},
+    ]
+    assert samples["updated"][0]["old"]["score"] == 106
+    assert samples["updated"][0]["new"]["score"] == 6
+    assert table(exams) == before  # only the user's cascade changed it
+
+
+CONFIG_JOB = f'''
+[jobs.scores]
+kind = "recompute"
+target = "exam_score"
+group = "exams"
+sql = "{SCORES}"
+'''
+
+
+def test_once_repairs_exactly_what_check_reported_and_check_exits_0_after(
+    exams: Engine, db_url: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(CONFIG_JOB)
+    checked = invoke("check", "scores", "-c", str(config), "--database", db_url, "--json")
+    assert checked.exit_code == 1, checked.output
+    reported = json.loads(checked.output)
+    text_out = invoke("check", "scores", "-c", str(config), "--database", db_url)
+    assert text_out.exit_code == 1
+    assert "scores: drift: a recompute would insert 2, update 3, delete 1" in text_out.output
+    assert 'updated: {"exam_id": 4, "student": 2} {"score": 106} -> {"score": 6}' in (
+        text_out.output
+    )
+    ran = invoke("once", "scores", "-c", str(config), "--database", db_url, "--json")
+    assert ran.exit_code == 0, ran.output
+    stats = json.loads(ran.stdout)["stats"]
+    for kind in ("inserted", "updated", "deleted", "skipped_missing_parent", "unchanged"):
+        assert stats[kind] == reported[kind], kind
+    after = invoke("check", "scores", "-c", str(config), "--database", db_url, "--json")
+    assert after.exit_code == 0, after.output
+    assert json.loads(after.output)["drift"] is False
+
+
+def test_check_of_a_queue_job_by_keys_on_the_command_line(
+    exams: Engine, db_url: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(
+        CONFIG_JOB
+        + textwrap.dedent(
+            f'''
+            [jobs.worker]
+            kind = "queue"
+            target = "exam_score"
+            group = "exams"
+            scope = "exam_id"
+            sql = "{SCORES_FOR_ITEMS}"
+            '''
+        )
+    )
+    pgjobs.install(exams)
+    out = invoke("check", "worker", "-c", str(config), "--database", db_url, "--keys", "7", "8")
+    assert out.exit_code == 0, out.output
+    assert "worker (2 item(s)): no drift" in out.output
+    out = invoke(
+        "check", "worker", "-c", str(config), "--database", db_url, "--keys", "4", "--json"
+    )
+    assert out.exit_code == 1
+    assert json.loads(out.output)["keys"] == [[4]]
+    bad = invoke("check", "worker", "-c", str(config), "--database", db_url)
+    assert bad.exit_code == 2 and "give keys" in bad.output
