@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from .database import resolve_engine
-from .drift import SAMPLE, CheckResult, check_on
+from .drift import SAMPLE, CheckResult, check_on, workers_of
 from .jobs import Job, Progress, QueueJob
 from .locking import DEFAULT_NAMESPACE
 from .registry import get_registry
@@ -95,19 +95,4 @@ def check(
             engine.dispose()
 
 
-def workers_of(job: Job, jobs: Iterable[Job]) -> list[QueueJob]:
-    """The queue jobs (of pgjobs' built-in queue) that write ``job``'s target."""
-    target = getattr(job, "target", None)
-    if not target:
-        return []
-    name = target.split(".")[-1]
-    return [
-        j
-        for j in jobs
-        if isinstance(j, QueueJob)
-        and j.claim is None
-        and (j.target == target or j.target.split(".")[-1] == name)
-    ]
-
-
-__all__ = ["check", "install", "run_once", "workers_of"]
+__all__ = ["check", "install", "run_once"]

@@ -494,7 +494,6 @@ def check(
     database cannot be reached (or the check failed there).
     """
     from . import drift
-    from .api import workers_of
 
     if more_keys and not keys:
         raise click.UsageError(
@@ -515,7 +514,7 @@ def check(
                     keys=items,
                     sample=sample,
                     schema=config.schema,
-                    workers=workers_of(target, registry.jobs()),
+                    workers=drift.workers_of(target, registry.jobs()),
                 )
         finally:
             engine.dispose()

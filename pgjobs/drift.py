@@ -31,16 +31,17 @@ reasons.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
-from ._pg import driver, send, set_local
+from ._pg import connection_lost, driver, first_line, send, set_local, sqlstate_of
 from .diff.difference import build_difference
 from .diff.plan import Plan, Scope, equal, idents, not_null
 from .errors import ConfigError, JobError
@@ -48,8 +49,11 @@ from .jobs import Job, QueueJob, RecomputeJob
 from .queue import key_json, queue_table
 from .results import DiffStats, Outcome, RunResult
 from .staging import Staged, check_coverage, stage
+from .store import Store
 from .target import Target, reflect_target
 from .worker.base import KEYS_TABLE
+
+log = logging.getLogger(__name__)
 
 #: keys sampled for each kind of change, by default
 SAMPLE = 5
@@ -578,3 +582,75 @@ def _row_text(item: Sample) -> str:
     if item.new is not None:
         return f"{key} new {text(item.new)}"
     return f"{key} old {text(item.old)}"
+
+
+def workers_of(job: Job, jobs: Iterable[Job]) -> list[QueueJob]:
+    """The queue jobs (of pgjobs' built-in queue) among ``jobs`` that write
+    ``job``'s target: their queued items are on their way to it."""
+    target = getattr(job, "target", None)
+    if not target:
+        return []
+    name = target.split(".")[-1]
+    return [
+        j
+        for j in jobs
+        if isinstance(j, QueueJob)
+        and j.claim is None
+        and (j.target == target or j.target.split(".")[-1] == name)
+    ]
+
+
+# -- scheduled verification (verify_every) -------------------------------------------
+_LAST_CHECK = "select max(started_at) from {} where job = %s and outcome = 'checked'"
+
+
+def verify(
+    engine: Engine,
+    store: Store,
+    job: RecomputeJob,
+    *,
+    workers: Iterable[QueueJob] = (),
+    worker: str = "",
+    sample: int = SAMPLE,
+) -> RunResult | None:
+    """One scheduled verification of ``job`` (``verify_every``): the check,
+    recorded in the run log as ``checked`` with its figures and samples, so
+    that an alert on drift needs no write to the target. ``None`` when
+    another process checked the job less than (nine tenths of) an interval
+    ago. A check that fails is recorded too (outcome ``checked``, with its
+    error), without touching the job's state or backoff."""
+    interval = job.verify_interval
+    assert interval is not None
+    with engine.connect() as conn:
+        with conn.begin():
+            row = (
+                driver(conn)
+                .execute(sql.SQL(_LAST_CHECK).format(store.table("run")), (job.name,))
+                .fetchone()
+            )
+            last = row[0] if row else None
+        if last is not None and datetime.now(UTC) - last < interval * 0.9:
+            return None
+        started = datetime.now(UTC)
+        try:
+            result = check_on(conn, job, workers=workers, sample=sample, schema=store.schema)
+            record = result.run_result()
+        except Exception as exc:
+            if connection_lost(exc):
+                raise
+            log.warning("pgjobs: %s: the check failed: %s", job.name, first_line(exc))
+            record = RunResult(
+                job=job.name,
+                outcome=Outcome.CHECKED,
+                started_at=started,
+                finished_at=datetime.now(UTC),
+                error=first_line(exc),
+                sqlstate=sqlstate_of(exc),
+                detail={"check": {"error": first_line(exc)}},
+            )
+        else:
+            if result.drift:
+                log.warning("pgjobs: %s", summary(result).splitlines()[0])
+        with conn.begin():
+            run_id = store.insert_run(conn, record, worker)
+    return replace(record, run_id=run_id)

@@ -338,3 +338,79 @@ def test_check_of_a_queue_job_by_keys_on_the_command_line(
     assert json.loads(out.output)["keys"] == [[4]]
     bad = invoke("check", "worker", "-c", str(config), "--database", db_url)
     assert bad.exit_code == 2 and "give keys" in bad.output
+
+
+# -- scheduled verification ------------------------------------------------------------
+def job_state(engine: Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text("select * from pgjobs.job_state"))]
+
+
+def test_verify_every_checks_on_its_own_schedule_and_records_the_figures(exams: Engine) -> None:
+    before, state_before = table(exams), job_state(exams)
+    got: list[pgjobs.RunResult] = []
+    checked = threading.Event()
+
+    def on_result(result: pgjobs.RunResult) -> None:
+        got.append(result)
+        if result.outcome is pgjobs.Outcome.CHECKED:
+            checked.set()
+
+    # the recompute itself fires once a year: only the verification runs here
+    job = recompute(every=None, cron="0 0 1 1 *", verify_every="1s")
+    with pgjobs.Scheduler([job], exams, on_result=on_result):
+        assert checked.wait(15), got
+    result = next(r for r in got if r.outcome is pgjobs.Outcome.CHECKED)
+    assert (result.stats.inserted, result.stats.updated, result.stats.deleted) == (2, 3, 1)
+    assert not [r for r in got if r.outcome is pgjobs.Outcome.RAN]
+    with exams.connect() as conn:
+        row = conn.execute(
+            text(
+                "select outcome, inserted, updated, deleted, unchanged, detail from pgjobs.run"
+                " where id = :id"
+            ),
+            {"id": result.run_id},
+        ).one()
+    assert tuple(row[:5]) == ("checked", 2, 3, 1, 45)
+    assert [s["key"] for s in row[5]["check"]["samples"]["deleted"]] == [
+        {"exam_id": 1, "student": 99}
+    ]
+    assert job_state(exams) == state_before  # a check changes no state: no backoff, no schedule
+    assert table(exams) == before
+
+
+def test_a_replica_skips_a_check_another_made_within_the_interval(exams: Engine) -> None:
+    from pgjobs.drift import verify
+    from pgjobs.store import Store
+
+    pgjobs.install(exams)
+    job = recompute(verify_every="1h")
+    first = verify(exams, Store(), job)
+    assert first is not None and first.outcome is pgjobs.Outcome.CHECKED
+    assert verify(exams, Store(), job) is None
+
+
+def test_a_failing_check_is_recorded_as_checked_with_its_error(exams: Engine) -> None:
+    from pgjobs.drift import verify
+    from pgjobs.store import Store
+
+    pgjobs.install(exams)
+    job = recompute(compute="select exam_id, student from exam_score", verify_every="1h")
+    result = verify(exams, Store(), job)
+    assert result is not None and result.outcome is pgjobs.Outcome.CHECKED
+    assert result.error is not None and "score" in result.error
+
+
+def test_verify_every_in_pgjobs_toml(tmp_path: Path) -> None:
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(CONFIG_JOB + 'verify_every = "1h"\n')
+    (job,) = pgjobs.load_config(path).jobs
+    assert isinstance(job, pgjobs.RecomputeJob) and job.verify_interval is not None
+    assert job.verify_interval.total_seconds() == 3600
+    path.write_text(CONFIG_JOB + 'verify_every = "soon"\n')
+    with pytest.raises(pgjobs.ConfigError, match=r"pgjobs.toml.*jobs.scores.verify_every.*soon"):
+        pgjobs.load_config(path)
+    path.write_text(CONFIG_JOB.replace("recompute", "queue") + 'verify_every = "1h"\n')
+    with pytest.raises(pgjobs.ConfigError, match="verify_every"):
+        pgjobs.load_config(path)
+    assert recompute(verify_every=0).verify_interval is None
