@@ -414,3 +414,60 @@ def test_verify_every_in_pgjobs_toml(tmp_path: Path) -> None:
     with pytest.raises(pgjobs.ConfigError, match="verify_every"):
         pgjobs.load_config(path)
     assert recompute(verify_every=0).verify_interval is None
+
+
+# -- metrics and the status page -------------------------------------------------------
+def samples_of(exposition: bytes, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_the_last_check_and_the_repairs_in_the_metrics_and_on_the_page(exams: Engine) -> None:
+    from pgjobs.drift import verify
+    from pgjobs.metrics import Metrics
+    from pgjobs.serve import Request, Source
+    from pgjobs.store import Store
+    from pgjobs.web import StatusPage
+
+    pgjobs.install(exams)
+    job = recompute(verify_every="1h")
+    with exams.begin() as conn:
+        pgjobs.enqueue(conn, worker(), [1])  # the extra row (1, 99) is on its way
+    assert verify(exams, Store(), job, workers=[worker()]) is not None
+    source = Source(engine=exams, jobs={job.name: job, "scores-worker": worker()})
+    metrics = Metrics(cache_seconds=0).bind(source)
+    drift = samples_of(metrics.exposition(), "pgjobs_drift_rows")
+    assert {dict(k)["change"]: v for k, v in drift.items() if dict(k)["job"] == "scores"} == {
+        "inserted": 2,
+        "updated": 3,
+        "deleted": 0,
+        "skipped": 0,
+    }
+    way = samples_of(metrics.exposition(), "pgjobs_drift_on_the_way_rows")
+    assert way[(("change", "deleted"), ("job", "scores"))] == 1
+    assert samples_of(metrics.exposition(), "pgjobs_check_failed") == {(("job", "scores"),): 0}
+    # the recompute's repair on a target that workers maintain: what the queue missed
+    with pgjobs.Runner(exams) as runner:
+        ran = runner.tick(job, force=True)
+    metrics.observe(ran)
+    repaired = samples_of(metrics.exposition(), "pgjobs_repaired_rows_total")
+    assert {dict(k)["change"]: v for k, v in repaired.items()} == {
+        "inserted": 2,
+        "updated": 3,
+        "deleted": 1,
+    }
+    page = StatusPage(refresh=0)
+    body = page(source, Request("/job/scores")).body.decode()
+    assert "Last check" in body and "Last repair" in body
+    assert "{&quot;exam_id&quot;: 4, &quot;student&quot;: 2}" in body  # an updated key, both
+    assert (
+        body.count("{&quot;exam_id&quot;: 1, &quot;student&quot;: 99}") == 2
+    )  # on its way; repaired
+    overview = page(source, Request("/")).body.decode()
+    assert "Drift (last check)" in overview and "+2 ~3 -0" in overview
