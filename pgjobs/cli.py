@@ -452,6 +452,21 @@ def once(
 
 
 # -- check ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _check_failed() -> Iterator[None]:
+    """A database error of the check itself (its statement timeout, the
+    compute's SQL) exits 3, in one line."""
+    import psycopg
+
+    from ._pg import first_line
+
+    try:
+        yield
+    except psycopg.Error as exc:
+        click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
+        sys.exit(EXIT_DATABASE)
+
+
 @cli.command()
 @click.argument("job")
 @_common
@@ -507,7 +522,7 @@ def check(
 
         engine, _ = resolve_engine(url)
         try:
-            with engine.connect() as conn:
+            with engine.connect() as conn, _check_failed():
                 result = drift.check_on(
                     conn,
                     target,

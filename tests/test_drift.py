@@ -471,3 +471,43 @@ def test_the_last_check_and_the_repairs_in_the_metrics_and_on_the_page(exams: En
     )  # on its way; repaired
     overview = page(source, Request("/")).body.decode()
     assert "Drift (last check)" in overview and "+2 ~3 -0" in overview
+
+
+def test_a_composite_scope_is_checked_by_json_keys(
+    exams: Engine, db_url: str, tmp_path: Path
+) -> None:
+    from pgjobs.drift import parse_keys
+
+    assert parse_keys(["[4, 2]", "7", '["a", "b"]']) == [(4, 2), "7", ("a", "b")]
+    with pytest.raises(pgjobs.ConfigError, match="not a JSON array"):
+        parse_keys(["[4,"])
+    pgjobs.install(exams)
+    pairs = pgjobs.QueueJob(
+        name="pairs",
+        group="exams",
+        target="exam_score",
+        scope=("exam_id", "student"),
+        compute="select a.exam_id, a.student, sum(a.points)::int as score from answer a"
+        " join pgjobs_keys k using (exam_id, student) group by a.exam_id, a.student",
+    )
+    result = pgjobs.check(pairs, exams, keys=[(4, 2), (5, 5), (7, 1)])
+    assert (result.updated, result.unchanged) == (2, 1)
+    assert keys(result, "updated") == [(4, 2), (5, 5)]
+
+
+SLOW = "select exam_id, student, score from exam_score where pg_sleep(0.05) is not null"
+
+
+def test_the_check_runs_under_the_job_s_statement_timeout(
+    exams: Engine, db_url: str, tmp_path: Path
+) -> None:
+    slow = recompute(compute=SLOW, statement_timeout="200ms")
+    started = time.perf_counter()
+    with pytest.raises(psycopg.errors.QueryCanceled, match="statement timeout"):
+        pgjobs.check(slow, exams)
+    assert time.perf_counter() - started < 2  # 50 rows x 50 ms, cut at 200 ms
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(CONFIG_JOB.replace(SCORES, SLOW) + 'statement_timeout = "200ms"\n')
+    out = invoke("check", "scores", "-c", str(config), "--database", db_url)
+    assert out.exit_code == 3, out.output
+    assert "pgjobs: the check failed: canceling statement due to statement timeout" in out.output
