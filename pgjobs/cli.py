@@ -452,21 +452,6 @@ def once(
 
 
 # -- check ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def _check_failed() -> Iterator[None]:
-    """A database error of the check itself (its statement timeout, the
-    compute's SQL) exits 3, in one line."""
-    import psycopg
-
-    from ._pg import first_line
-
-    try:
-        yield
-    except psycopg.Error as exc:
-        click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
-        sys.exit(EXIT_DATABASE)
-
-
 @cli.command()
 @click.argument("job")
 @_common
@@ -482,11 +467,9 @@ def _check_failed() -> Iterator[None]:
 )
 @click.option(
     "--keys",
-    "keys",
     multiple=True,
     metavar="K",
-    help="A queue job's items to check (repeat, or several after one --keys); a JSON array"
-    " for a composite scope: '[7, \"b\"]'.",
+    help="A queue job's items to check; a JSON array for a composite scope: '[7, \"b\"]'.",
 )
 @click.argument("more_keys", nargs=-1, metavar="[K ...]")
 def check(
@@ -508,34 +491,28 @@ def check(
     Exit 0 without drift, 1 with drift, 2 for a bad config or job, 3 if the
     database cannot be reached (or the check failed there).
     """
+    import psycopg
+
     from . import drift
+    from ._pg import first_line
+    from .api import check as check_job
 
     if more_keys and not keys:
-        raise click.UsageError(
-            f"unexpected argument(s) {' '.join(more_keys)}: keys go after --keys"
-        )
+        raise click.UsageError(f"unexpected {' '.join(more_keys)}: keys go after --keys")
     with _errors(), _logging(verbose, logging.WARNING):
         config, registry, url = _load(config_path, database)
         target = registry.get(job)
         items = drift.parse_keys([*keys, *more_keys]) if keys else None
-        from .database import resolve_engine
-
-        engine, _ = resolve_engine(url)
+        workers = drift.workers_of(target, registry.jobs())
         try:
-            with engine.connect() as conn, _check_failed():
-                result = drift.check_on(
-                    conn,
-                    target,
-                    keys=items,
-                    sample=sample,
-                    schema=config.schema,
-                    workers=drift.workers_of(target, registry.jobs()),
-                )
-        finally:
-            engine.dispose()
-        click.echo(
-            json.dumps(_jsonable(result.as_dict()), indent=2) if as_json else drift.summary(result)
-        )
+            result = check_job(
+                target, url, keys=items, sample=sample, workers=workers, schema=config.schema
+            )
+        except psycopg.Error as exc:  # the check's own statement (its timeout, the SQL)
+            click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
+            sys.exit(EXIT_DATABASE)
+        out = json.dumps(_jsonable(result.as_dict()), indent=2) if as_json else None
+        click.echo(out or drift.summary(result))
         if result.drift:
             sys.exit(EXIT_FAILED)
 

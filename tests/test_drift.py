@@ -511,3 +511,34 @@ def test_the_check_runs_under_the_job_s_statement_timeout(
     out = invoke("check", "scores", "-c", str(config), "--database", db_url)
     assert out.exit_code == 3, out.output
     assert "pgjobs: the check failed: canceling statement due to statement timeout" in out.output
+
+
+def test_rows_of_an_item_a_worker_holds_are_in_flight_and_the_check_does_not_wait(
+    exams: Engine,
+) -> None:
+    pgjobs.install(exams)
+    claimed, release = threading.Event(), threading.Event()
+
+    def slow_compute(conn: Any, keys: Any) -> Any:
+        claimed.set()
+        assert release.wait(20), "the check never finished"
+        return text(SCORES_FOR_ITEMS)
+
+    slow = worker().replace(compute=slow_compute)
+    assert isinstance(slow, pgjobs.QueueJob)
+    with exams.begin() as conn:
+        pgjobs.enqueue(conn, slow, [5])
+    ticks: list[pgjobs.RunResult] = []
+    thread = threading.Thread(target=lambda: ticks.append(pgjobs.run_once(slow, exams)))
+    thread.start()
+    try:
+        assert claimed.wait(20)
+        started = time.perf_counter()
+        result = pgjobs.check(recompute(lock_timeout="1s"), exams, workers=[slow])
+        assert time.perf_counter() - started < 1.0  # nothing it needs is held against it
+    finally:
+        release.set()
+        thread.join(30)
+    assert (result.updated, result.on_the_way.updated) == (2, 1)
+    assert keys(result, "on_the_way") == [(5, 5)]
+    assert ticks and ticks[0].outcome is pgjobs.Outcome.RAN and ticks[0].stats.updated == 1
