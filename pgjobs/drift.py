@@ -234,6 +234,10 @@ def _settings(job: Job) -> dict[str, str]:
     return values
 
 
+#: the check's first statement: its snapshot (S0), and whether the queue is installed
+_START = "select pg_current_snapshot()::text, to_regclass(%s) is not null"
+
+
 class _Check:
     """One check, inside its transaction (rolled back by the caller)."""
 
@@ -247,10 +251,24 @@ class _Check:
     ) -> None:
         self.conn, self.job, self.sample, self.schema = conn, job, sample, schema
         self.workers = [w for w in workers if w.claim is None]
+        #: the check's snapshot at its start, as text
+        self.s0 = ""
 
     def run(self, keys: Sequence[Any] | None, started: datetime) -> CheckResult:
         conn, job = self.conn, self.job
-        send(conn, set_local(_settings(job)))
+        # S0: what a worker committed after it, the check's compute may not
+        # have seen (flow's marks say which keys); and whether pgjobs' tables
+        # are there at all (a check needs none of them)
+        _, first = send(
+            conn,
+            set_local(_settings(job)),
+            (_START, (queue_table(self.schema).as_string(driver(conn)),)),
+        )
+        row = first.one()
+        assert row is not None
+        self.s0 = str(row[0])
+        if not row[1]:
+            self.workers = []
         target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
         clock = time.perf_counter()
         scope: Scope | None = None
@@ -376,7 +394,8 @@ class _Classified:
 
     def _on_the_way(self, plan: Plan) -> tuple[list[sql.Composable], sql.Composable]:
         """CTEs of the queued items of each worker (typed like the target's
-        columns), and the test that a row of the difference is one of them."""
+        columns), and the test that a row of the difference is one of them,
+        or of an item a worker rewrote since the check began."""
         ctes: list[sql.Composable] = []
         tests: list[sql.Composable] = []
         queue = queue_table(self.check.schema)
@@ -401,13 +420,28 @@ class _Classified:
                     job=sql.Literal(worker.name),
                 )
             )
+            values = sql.SQL(", ").join(_scope_value(plan, c) for c in worker.scope)
             tests.append(
                 sql.SQL("exists (select from {name} as w where ({cols}) = ({values}))").format(
-                    name=name,
-                    cols=idents(worker.scope, "w"),
-                    values=sql.SQL(", ").join(_scope_value(plan, c) for c in worker.scope),
+                    name=name, cols=idents(worker.scope, "w"), values=values
                 )
             )
+            if worker.flow:
+                # rewritten by a worker that committed after the check began
+                # (its mark not visible in S0): the compute may have read the
+                # item before the change that worker wrote
+                tests.append(
+                    sql.SQL(
+                        "exists (select from {marks} as m where m.target = {label}"
+                        " and m.key = jsonb_build_array({values})"
+                        " and not pg_visible_in_snapshot(m.xid, {s0}::pg_snapshot))"
+                    ).format(
+                        marks=sql.Identifier(self.check.schema, "mark"),
+                        label=sql.Literal(plan.target.label),
+                        values=values,
+                        s0=sql.Literal(self.check.s0),
+                    )
+                )
         test = sql.SQL("({})").format(sql.SQL(" or ").join(tests)) if tests else sql.SQL("false")
         return ctes, test
 

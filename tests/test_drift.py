@@ -542,3 +542,43 @@ def test_rows_of_an_item_a_worker_holds_are_in_flight_and_the_check_does_not_wai
     assert (result.updated, result.on_the_way.updated) == (2, 1)
     assert keys(result, "on_the_way") == [(5, 5)]
     assert ticks and ticks[0].outcome is pgjobs.Outcome.RAN and ticks[0].stats.updated == 1
+
+
+def test_an_item_a_worker_rewrote_while_the_check_computed_is_not_drift(exams: Engine) -> None:
+    """A user changes exam 7's answers and enqueues it, and a worker rewrites
+    its rows, all after the check computed and before it takes the
+    difference: the check's new rows are older than the target's. The
+    worker's flow mark (its xid, not visible in the check's start snapshot)
+    puts those rows on their way, not in the drift."""
+    pgjobs.install(exams)
+    computed, rewritten = threading.Event(), threading.Event()
+
+    def compute(conn: Any) -> list[tuple[Any, ...]]:
+        rows = [tuple(r) for r in conn.execute(text(SCORES))]
+        computed.set()
+        assert rewritten.wait(20), "the worker never came"
+        return rows
+
+    errors: list[BaseException] = []
+
+    def user_and_worker() -> None:
+        try:
+            assert computed.wait(20)
+            with exams.begin() as conn:
+                conn.execute(text("update answer set points = points + 1 where exam_id = 7"))
+                pgjobs.enqueue(conn, worker(), [7])
+            ran = pgjobs.run_once(worker(), exams)
+            assert ran.outcome is pgjobs.Outcome.RAN and ran.stats.updated == 5, ran
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            rewritten.set()
+
+    thread = threading.Thread(target=user_and_worker)
+    thread.start()
+    result = pgjobs.check(recompute(compute=compute), exams, workers=[worker()])
+    thread.join(30)
+    assert not errors, errors
+    assert (result.inserted, result.updated, result.deleted) == (2, 3, 1)
+    assert result.on_the_way.updated == 5
+    assert keys(result, "on_the_way") == [(7, s) for s in range(1, 6)]
