@@ -5,9 +5,10 @@ Every public name is re-exported here; everything else is implementation.
 
 from __future__ import annotations
 
-from .api import install, run_once
+from .api import check, install, run_once
 from .backoff import Backoff
 from .config import Config, load_config
+from .drift import CheckResult, Sample
 from .durations import parse_duration
 from .errors import ConfigError, JobError, PgJobsError, PluginError
 from .hookspecs import hookimpl
@@ -30,6 +31,7 @@ from .scheduler import Scheduler, lifespan
 
 __all__ = [
     "Backoff",
+    "CheckResult",
     "Config",
     "ConfigError",
     "DiffStats",
@@ -46,8 +48,10 @@ __all__ = [
     "RunContext",
     "RunResult",
     "Runner",
+    "Sample",
     "Scheduler",
     "TaskJob",
+    "check",
     "drop_enqueue_trigger",
     "drop_enqueue_trigger_async",
     "enqueue",

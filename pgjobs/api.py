@@ -5,9 +5,14 @@ job, looked up by name in the registry if need be) and :func:`install`
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 from sqlalchemy.engine import Engine
 
-from .jobs import Job, Progress
+from .database import resolve_engine
+from .drift import SAMPLE, CheckResult, check_on, workers_of
+from .jobs import Job, Progress, QueueJob
 from .locking import DEFAULT_NAMESPACE
 from .registry import get_registry
 from .results import RunResult
@@ -50,4 +55,44 @@ def run_once(
         return runner.tick(job, force=force, progress=progress)
 
 
-__all__ = ["install", "run_once"]
+def check(
+    job: Job | str,
+    database: str | Engine | None = None,
+    *,
+    keys: Sequence[Any] | None = None,
+    sample: int = SAMPLE,
+    workers: Iterable[QueueJob] | None = None,
+    schema: str = DEFAULT_SCHEMA,
+) -> CheckResult:
+    """What a recompute of ``job`` would write now, without writing: a
+    :class:`~pgjobs.drift.CheckResult` with the figures a recompute's
+    :class:`~pgjobs.DiffStats` would have, and ``sample`` keys of each kind
+    of change (``docs/drift.md``). No write, no row lock, no advisory lock;
+    the job's ``lock_timeout`` and ``statement_timeout`` apply.
+
+    ``job``: a job object or a registered name. A queue job is checked for
+    its items ``keys`` (scalars, or tuples for a composite scope). Rows of
+    items that are queued or in flight are counted apart (``on_the_way``):
+    those of ``workers``, by default the queue jobs on the same target in
+    the registry (for a name; none for a job object).
+
+    >>> result = pgjobs.check("exam-scores", "postgresql://localhost/app")
+    >>> result.drift, result.stats, result.samples.get("updated")
+    """
+    if isinstance(job, str):
+        registry = get_registry()
+        job = registry.get(job)
+        if workers is None:
+            workers = workers_of(job, registry.jobs())
+    engine, owned = resolve_engine(database)
+    try:
+        with engine.connect() as conn:
+            return check_on(
+                conn, job, keys=keys, sample=sample, workers=workers or (), schema=schema
+            )
+    finally:
+        if owned:
+            engine.dispose()
+
+
+__all__ = ["check", "install", "run_once"]

@@ -451,6 +451,72 @@ def once(
             sys.exit(EXIT_FAILED)
 
 
+# -- check ---------------------------------------------------------------------------
+@cli.command()
+@click.argument("job")
+@_common
+@_verbosity
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+@click.option(
+    "--sample",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Keys shown for each kind of change (the first N in key order).",
+)
+@click.option(
+    "--keys",
+    multiple=True,
+    metavar="K",
+    help="A queue job's items to check; a JSON array for a composite scope: '[7, \"b\"]'.",
+)
+@click.argument("more_keys", nargs=-1, metavar="[K ...]")
+def check(
+    job: str,
+    config_path: str | None,
+    database: str | None,
+    verbose: int,
+    as_json: bool,
+    sample: int,
+    keys: tuple[str, ...],
+    more_keys: tuple[str, ...],
+) -> None:
+    """Show what a recompute of JOB would write now, writing nothing: rows it
+    would insert, update, delete or skip (parent gone), with a sample of keys
+    and the old and new values of updated rows (docs/drift.md). No row lock,
+    no write; the job's timeouts apply. Rows of items queued or in flight are
+    shown apart: they are on their way. A queue job is checked for --keys.
+
+    Exit 0 without drift, 1 with drift, 2 for a bad config or job, 3 if the
+    database cannot be reached (or the check failed there).
+    """
+    import psycopg
+
+    from . import drift
+    from ._pg import first_line
+    from .api import check as check_job
+
+    if more_keys and not keys:
+        raise click.UsageError(f"unexpected {' '.join(more_keys)}: keys go after --keys")
+    with _errors(), _logging(verbose, logging.WARNING):
+        config, registry, url = _load(config_path, database)
+        target = registry.get(job)
+        items = drift.parse_keys([*keys, *more_keys]) if keys else None
+        workers = drift.workers_of(target, registry.jobs())
+        try:
+            result = check_job(
+                target, url, keys=items, sample=sample, workers=workers, schema=config.schema
+            )
+        except psycopg.Error as exc:  # the check's own statement (its timeout, the SQL)
+            click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
+            sys.exit(EXIT_DATABASE)
+        out = json.dumps(_jsonable(result.as_dict()), indent=2) if as_json else None
+        click.echo(out or drift.summary(result))
+        if result.drift:
+            sys.exit(EXIT_FAILED)
+
+
 # -- list ----------------------------------------------------------------------------
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [

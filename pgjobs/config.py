@@ -107,6 +107,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "chunk_parents": ("recompute",),
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
+    "verify_every": ("recompute",),
     "batch_size": ("queue",),
     "workers": ("queue",),
     "max_attempts": ("queue",),
@@ -155,6 +156,8 @@ class JobOverride:
     chunk_parents: int | None = None
     chunk_rows: int | None = None
     atomic: bool | None = None
+    #: ``timedelta(0)``: no scheduled verification
+    verify_every: timedelta | None = None
     batch_size: int | None = None
     workers: int | None = None
     max_attempts: int | None = None
@@ -395,7 +398,7 @@ class _Parser:
             if every <= timedelta(0):
                 raise self.fail(key, "must be positive", value)
             return every
-        if name == "busy_retry":
+        if name in ("busy_retry", "verify_every"):
             return self.duration(value, key)
         if name in ("lock_timeout", "statement_timeout"):
             return self.model(lambda: parse_timeout(value, field=key))

@@ -518,10 +518,19 @@ class RecomputeJob(_DiffJob):
     #: every queue job of the group on this target has flow on and one
     #: scope; ``None``: the recompute runs without flow
     worker_scope: tuple[str, ...] | None = None
+    #: check the target on this schedule (:func:`pgjobs.check`: what a
+    #: recompute would write, nothing written) and record it in the run log
+    #: as ``checked``; ``None`` (or 0): never
+    verify_every: Duration | None = None
 
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
         where = f"RecomputeJob {self.name!r}"
+        if self.verify_every is not None:
+            verify = parse_duration(self.verify_every, field=f"{where}: verify_every")
+            if verify < timedelta(0):
+                raise ConfigError(f"{where}: verify_every: must not be negative, got {verify}")
+            object.__setattr__(self, "verify_every", verify or None)
         _check_compute(self.compute, where)
         if self.chunk_parents is not None:
             check_count(self.chunk_parents, f"{where}: chunk_parents", MAX_BATCH)
@@ -533,6 +542,12 @@ class RecomputeJob(_DiffJob):
             if not scope:
                 raise ConfigError(f"{where}: worker_scope: expected column names, got ()")
             object.__setattr__(self, "worker_scope", scope)
+
+    @property
+    def verify_interval(self) -> timedelta | None:
+        """``verify_every`` as a timedelta (``None``: no scheduled check)."""
+        v = self.verify_every
+        return v if isinstance(v, timedelta) else None
 
     @property
     def flows(self) -> bool:

@@ -16,6 +16,10 @@ Two kinds of figures:
                                               skipped (parent gone), deferred
   ``pgjobs_queue_items_total{job,result}``    processed, failed, parent_gone
   ``pgjobs_queue_lag_seconds{job}``           enqueue to processed, per item
+  ``pgjobs_repaired_rows_total{job,change}``  rows a recompute wrote on a target
+                                              that queue workers maintain: what
+                                              the queue path missed (inserted,
+                                              updated, deleted)
   ==========================================  ===================================
 
 * what the database says, read at scrape time in one statement (cached for
@@ -23,8 +27,13 @@ Two kinds of figures:
   ``pgjobs_queue_depth``, ``pgjobs_queue_due``, ``pgjobs_queue_retrying``,
   ``pgjobs_queue_dead``, ``pgjobs_queue_oldest_due_age_seconds``,
   ``pgjobs_job_failures`` (consecutive), ``pgjobs_job_backing_off`` (0/1),
-  ``pgjobs_job_last_success_timestamp_seconds``, all by ``job``; and
-  ``pgjobs_database_up`` (0 when that read failed).
+  ``pgjobs_job_last_success_timestamp_seconds``, all by ``job``;
+  the last check of each recompute (``verify_every``, ``docs/drift.md``):
+  ``pgjobs_drift_rows{job,change}`` (what a recompute would write then:
+  inserted, updated, deleted, skipped), ``pgjobs_drift_on_the_way_rows``
+  (rows of queued items, apart), ``pgjobs_check_timestamp_seconds`` and
+  ``pgjobs_check_failed`` (0/1); and ``pgjobs_database_up`` (0 when that
+  read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
 of jobs, nothing else. pgjobs registers nothing in ``prometheus_client``'s
@@ -48,8 +57,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from psycopg import sql
+from sqlalchemy.engine import Connection
 
 from ._pg import execute, set_local
+from .drift import workers_of
 from .errors import PgJobsError
 from .results import Outcome, RunResult
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
@@ -98,6 +109,13 @@ LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.
 OUTCOMES = tuple(str(o) for o in Outcome)
 CHANGES = ("inserted", "updated", "deleted", "skipped", "deferred")
 ITEM_RESULTS = ("processed", "failed", "parent_gone")
+REPAIRS = ("inserted", "updated", "deleted")
+DRIFT = (
+    ("inserted", "inserted"),
+    ("updated", "updated"),
+    ("deleted", "deleted"),
+    ("skipped", "skipped_missing_parent"),
+)
 
 
 class Metrics:
@@ -160,6 +178,15 @@ class Metrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.repaired = Counter(
+            "pgjobs_repaired_rows",
+            "Rows a recompute wrote on a target that queue workers maintain (inserted,"
+            " updated, deleted): what the queue path missed.",
+            ["job", "change"],
+            registry=r,
+        )
+        #: recomputes whose target queue workers maintain (known once bound)
+        self._maintained: set[str] = set()
         self.database = _DatabaseCollector(cache_seconds, statement_timeout)
         r.register(self.database)
         self._bound: set[int] = set()
@@ -188,6 +215,14 @@ class Metrics:
         ):
             if n:
                 self.rows.labels(job, change).inc(n)
+        if job in self._maintained:
+            for change, n in (
+                ("inserted", s.inserted),
+                ("updated", s.updated),
+                ("deleted", s.deleted),
+            ):
+                if n:
+                    self.repaired.labels(job, change).inc(n)
         for name, n in (
             ("processed", result.items),
             ("failed", result.failed_items),
@@ -212,6 +247,10 @@ class Metrics:
             if job.kind == "queue":
                 for result in ITEM_RESULTS:
                     self.items.labels(name, result)
+            if job.kind == "recompute" and workers_of(job, source.jobs.values()):
+                self._maintained.add(name)
+                for change in REPAIRS:
+                    self.repaired.labels(name, change)
 
     # -- what the database says --------------------------------------------------------
     def bind(self, target: Scheduler | Source) -> Metrics:
@@ -292,6 +331,8 @@ class _DatabaseCollector(Collector):
         self.statement_timeout = statement_timeout
         self._lock = threading.Lock()
         self._cached: tuple[float, list[_Row] | None] | None = None
+        #: each recompute's last check: (job, figures by change, on their way, at, failed)
+        self.checks: list[tuple[str, dict[str, int], dict[str, int], float, bool]] = []
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -330,6 +371,7 @@ class _DatabaseCollector(Collector):
                 with source.engine.connect() as conn, conn.begin():
                     execute(conn, *set_local(settings))
                     found = execute(conn, self._query(source.schema)).fetchall()
+                    self.checks = _last_checks(conn, source)
                 rows = [_Row(*r) for r in found]
             except Exception:
                 log.warning(
@@ -409,6 +451,58 @@ class _DatabaseCollector(Collector):
             if row.last_success is not None:
                 states[2].add_metric([name], row.last_success)
         yield from states
+        yield from _check_gauges(self.checks)
+
+
+def _last_checks(
+    conn: Connection, source: Source
+) -> list[tuple[str, dict[str, int], dict[str, int], float, bool]]:
+    """Each recompute's last check from the run log: one index probe a job."""
+    names = [n for n, j in source.jobs.items() if j.kind == "recompute"]
+    if not names:
+        return []
+    query = sql.SQL(
+        "select r.job, r.inserted, r.updated, r.deleted, r.skipped_missing_parent,"
+        " r.detail -> 'check' -> 'on_the_way', extract(epoch from r.started_at)::float8,"
+        " r.error is not null from unnest(%s::text[]) as j(job), lateral (select * from {run} r"
+        " where r.job = j.job and r.outcome = 'checked' order by r.started_at desc, r.id desc"
+        " limit 1) r order by 1"
+    ).format(run=sql.Identifier(source.schema, "run"))
+    out = []
+    for job, ins, upd, dele, skip, way, at, failed in execute(conn, query, (names,)).fetchall():
+        figures = {"inserted": ins, "updated": upd, "deleted": dele, "skipped_missing_parent": skip}
+        on_the_way = {k: int((way or {}).get(k, 0) or 0) for k in figures}
+        out.append((str(job), figures, on_the_way, float(at), bool(failed)))
+    return out
+
+
+def _check_gauges(
+    checks: Sequence[tuple[str, dict[str, int], dict[str, int], float, bool]],
+) -> Iterator[Metric]:
+    drift = GaugeMetricFamily(
+        "pgjobs_drift_rows",
+        "The last check's figures: rows a recompute would write then (inserted, updated,"
+        " deleted) or skip (parent gone).",
+        labels=["job", "change"],
+    )
+    way = GaugeMetricFamily(
+        "pgjobs_drift_on_the_way_rows",
+        "The last check's rows of items queued or in flight (not drift).",
+        labels=["job", "change"],
+    )
+    at, failed = _gauges(
+        [
+            ("pgjobs_check_timestamp_seconds", "When the job's last check started (Unix time)."),
+            ("pgjobs_check_failed", "1 when the job's last check failed, else 0."),
+        ]
+    )
+    for job, figures, on_the_way, started, error in checks:
+        for label, name in DRIFT:
+            drift.add_metric([job, label], figures[name])
+            way.add_metric([job, label], on_the_way[name])
+        at.add_metric([job], started)
+        failed.add_metric([job], 1 if error else 0)
+    yield from (drift, way, at, failed)
 
 
 def _gauges(specs: Sequence[tuple[str, str]]) -> list[GaugeMetricFamily]:

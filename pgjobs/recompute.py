@@ -81,6 +81,7 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         chunk_rows=job.chunk_rows if chunked and job.chunk_parents is None else None,
         progress=ctx.progress,
     ) as writer:
+        repaired = _repaired_sample(conn, writer)
         for n, chunk in enumerate(writer.chunks):
             if n and ctx.checkpoint is not None:
                 ctx.checkpoint()  # commit the chunks so far, go on in a new transaction
@@ -102,6 +103,8 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         "deferred": result.deferred,
         **result.detail,
     }
+    if repaired:
+        detail["repaired"] = repaired
     return Execution(
         stats=result.stats,
         compute_seconds=compute_seconds,
@@ -109,6 +112,36 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         lock_seconds=result.lock_seconds,
         detail=detail,
     )
+
+
+#: keys of each kind of change a recompute records in its run (``detail["repaired"]``)
+REPAIRED_SAMPLE = 5
+
+
+def _repaired_sample(conn: Connection, writer: DiffWriter) -> dict[str, list[dict[str, Any]]]:
+    """The first keys of the difference to insert, update and delete, before
+    any is written: on a target that workers maintain, what the queue path
+    missed (the status page shows them, ``docs/drift.md``). One statement,
+    a top-N of each op over the difference (no row lock); none when the
+    difference is empty."""
+    if not any(writer.counts.values()):
+        return {}
+    plan = writer.plan
+    keys = [sql.Identifier(plan.new[k]) for k in plan.key]
+    cols = sql.SQL(", ").join(keys)
+    parts = [
+        sql.SQL("(select {op}, {cols} from {d} where op = {op} order by {cols} limit {n})").format(
+            op=sql.Literal(op), cols=cols, d=plan.difference, n=sql.Literal(REPAIRED_SAMPLE)
+        )
+        for op, n in writer.counts.items()
+        if n
+    ]
+    (found,) = send(conn, (sql.SQL(" union all ").join(parts), None))
+    names = {"i": "inserted", "u": "updated", "d": "deleted"}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in found.all():
+        out.setdefault(names[str(row[0])], []).append(dict(zip(plan.key, row[1:], strict=True)))
+    return out
 
 
 class _Flow:

@@ -17,6 +17,9 @@ class Outcome(StrEnum):
     BACKING_OFF = "backing_off"  #: the job failed recently and waits for ``next_attempt_at``
     NOT_DUE = "not_due"  #: it ran less than one interval ago (here or on another replica)
     FAILED = "failed"  #: the job raised; its transaction was rolled back
+    #: a verification (``verify_every``, :func:`pgjobs.check`) that wrote nothing;
+    #: its figures are what a recompute would write
+    CHECKED = "checked"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -59,7 +59,7 @@ from .checks import check_jobs
 from .database import transaction_pooling
 from .durations import Duration, parse_duration
 from .errors import ConfigError
-from .jobs import Job, Progress, QueueJob
+from .jobs import Job, Progress, QueueJob, RecomputeJob
 from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
 from .results import Outcome, RunResult
@@ -83,6 +83,10 @@ def _entry_id(name: str) -> str:
 
 def _retry_id(name: str) -> str:
     return f"pgjobs:{name}:busy-retry"
+
+
+def _verify_id(name: str) -> str:
+    return f"pgjobs:{name}:verify"
 
 
 class Scheduler:
@@ -240,6 +244,18 @@ class Scheduler:
                     name=name,
                     **options,
                 )
+            for name, job in self.jobs.items():
+                verify = job.verify_interval if isinstance(job, RecomputeJob) else None
+                if verify is not None:
+                    # (the first check one interval after the start: the job's
+                    # own first run comes first)
+                    aps.add_job(
+                        self._verify,
+                        IntervalTrigger(seconds=verify.total_seconds(), timezone=self.timezone),
+                        args=[name],
+                        id=_verify_id(name),
+                        name=_verify_id(name),
+                    )
             if self.keep_runs is not None:
                 aps.add_job(
                     self._prune,
@@ -445,6 +461,30 @@ class Scheduler:
         now = datetime.now(self.timezone)
         due: datetime | None = self._triggers[job.name].get_next_fire_time(now, now)
         return due
+
+    def _verify(self, name: str) -> None:
+        """A scheduled verification (``verify_every``): :func:`pgjobs.drift.verify`."""
+        job = self.jobs[name]
+        if self._stopping.is_set() or not isinstance(job, RecomputeJob):
+            return
+        from .drift import verify, workers_of
+
+        try:
+            result = verify(
+                self.runner.engine,
+                self.runner.store,
+                job,
+                workers=workers_of(job, self.registry.jobs()),
+                worker=self.runner.worker,
+            )
+        except Exception as exc:
+            log.warning("pgjobs: %s: could not check: %s", name, first_line(exc))
+            return
+        if result is not None and self.on_result is not None:
+            try:
+                self.on_result(result)
+            except Exception:
+                log.exception("pgjobs: on_result failed for %s", name)
 
     def _prune(self) -> None:
         if self.keep_runs is None or self._stopping.is_set():

@@ -43,6 +43,8 @@ class JobView:
     state: dict[str, Any] = field(default_factory=dict)
     last: dict[str, Any] = field(default_factory=dict)
     last_ran: dict[str, Any] = field(default_factory=dict)
+    #: the last verification (``pgjobs check`` recorded, ``verify_every``)
+    last_checked: dict[str, Any] = field(default_factory=dict)
     failing_since: datetime | None = None
     queue: QueueView | None = None
 
@@ -100,14 +102,14 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
             "select r.* from unnest(%(names)s::text[]) as j(job), lateral (select * from {run} r"
             " where r.job = j.job {ran} order by r.started_at desc, r.id desc limit 1) r"
         )
-        last, last_ran = (
+        last, last_ran, last_checked = (
             {
                 r["job"]: r
                 for r in _dicts(
                     execute(conn, latest.format(run=t["run"], ran=sql.SQL(ran)), {"names": names})
                 )
             }
-            for ran in ("", "and r.outcome = 'ran'")
+            for ran in ("", "and r.outcome = 'ran'", "and r.outcome = 'checked'")
         )
         params = {"job": job, "runs": runs, "dead": DEAD_ITEMS}
         since = {
@@ -164,7 +166,7 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
             )
         )
     by_queue = {q.job: q for q in queues}
-    views = _views(source, states, last, last_ran, since, by_queue)
+    views = _views(source, states, last, last_ran, since, by_queue, last_checked)
     return Snapshot(
         now=now,
         installed=True,
@@ -183,8 +185,10 @@ def _views(
     last_ran: Mapping[str, dict[str, Any]] | None = None,
     since: Mapping[str, datetime] | None = None,
     queues: Mapping[str, QueueView] | None = None,
+    last_checked: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[JobView]:
     last, last_ran, since, queues = last or {}, last_ran or {}, since or {}, queues or {}
+    last_checked = last_checked or {}
     names = [*source.jobs, *sorted(set(states) - set(source.jobs))]
     views = []
     for name in names:
@@ -201,6 +205,7 @@ def _views(
                 state=dict(states.get(name, {})),
                 last=dict(last.get(name, {})),
                 last_ran=dict(last_ran.get(name, {})),
+                last_checked=dict(last_checked.get(name, {})),
                 failing_since=since.get(name),
                 queue=queues.get(name)
                 if name in queues or job is None or job.kind != "queue"

@@ -8,6 +8,8 @@
 * :func:`run_tick` runs one tick of a job against a given engine or
   connection and returns its :class:`~pgjobs.RunResult`.
 * :func:`run_sql` runs SQL text as written (a schema, fixtures) and commits.
+* :func:`assert_no_drift` asserts that a target's recompute and its queue
+  workers' incremental path agree (:func:`pgjobs.check` finds nothing).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -25,8 +27,9 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from .database import normalize_url
+from .drift import CheckResult
 from .errors import PgJobsError
-from .jobs import Job
+from .jobs import Job, QueueJob, RecomputeJob
 from .results import RunResult
 
 ENV_DSN = "PGJOBS_TEST_DSN"
@@ -139,3 +142,55 @@ def run_tick(job: Job, database: Engine | Connection | str, **options: Any) -> R
         return runner.tick_on(database, job, force=force)
     with Runner(database, **options) as runner:
         return runner.tick(job, force=force)
+
+
+#: ticks of each worker :func:`assert_no_drift` runs at most to drain its queue
+DRAIN_TICKS = 1000
+
+
+def assert_no_drift(
+    job: Job,
+    database: Engine | str,
+    *,
+    workers: Iterable[QueueJob] = (),
+    drain: bool = True,
+    sample: int = 5,
+) -> CheckResult:
+    """Assert that ``job``'s recompute and the incremental path of its queue
+    ``workers`` agree: after a scenario (your writes, your enqueues, your
+    workers' ticks), what a recompute would write now is nothing. With
+    ``drain``, each worker first runs until its queue is empty (at most
+    :data:`DRAIN_TICKS` ticks; a failed tick fails the assertion). Rows of
+    items still queued then count against it: they would be on their way,
+    not agreement. Returns the :class:`~pgjobs.CheckResult`; raises
+    ``AssertionError`` with the figures and the sampled keys (old and new
+    values of updated rows) otherwise::
+
+        enqueue_and_change_things(engine)
+        assert_no_drift(SCORES_RECOMPUTE, engine, workers=[SCORES_WORKER])
+    """
+    from .api import check
+    from .drift import summary
+    from .results import Outcome
+
+    if not isinstance(job, RecomputeJob):
+        raise TypeError(
+            f"assert_no_drift: expected the RecomputeJob of the target (with its queue jobs as"
+            f" workers=[...]), got {type(job).__name__} {job.name!r}"
+        )
+    workers = list(workers)
+    if drain:
+        for worker in workers:
+            for _ in range(DRAIN_TICKS):
+                result = run_tick(worker, database, force=True)
+                if result.outcome is Outcome.FAILED:
+                    raise AssertionError(f"{worker.name}: a tick failed: {result.error}")
+                if result.outcome is Outcome.IDLE:
+                    break
+            else:
+                raise AssertionError(f"{worker.name}: still busy after {DRAIN_TICKS} ticks")
+    found = check(job, database, workers=workers, sample=sample)
+    way = found.on_the_way
+    if found.drift or way.changed or way.skipped_missing_parent:
+        raise AssertionError("the incremental path and the recompute disagree:\n" + summary(found))
+    return found

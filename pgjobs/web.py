@@ -23,6 +23,7 @@ Served by ``pgjobs run --http 127.0.0.1:8080``; in a FastAPI application::
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -160,6 +161,61 @@ def _changed(run: Mapping[str, Any]) -> str:
     return text
 
 
+def _drift(check: Mapping[str, Any]) -> str:
+    """The last check's figures: what a recompute would write then."""
+    if not check:
+        return "-"
+    if check.get("error"):
+        return "check failed"
+    if not (check["inserted"] or check["updated"] or check["deleted"]):
+        return "none"
+    return _changed(check)
+
+
+def _samples(title: str, run: Mapping[str, Any], samples: Mapping[str, Any], now: Any) -> Markup:
+    """A check's or a repair's figures and its sampled keys, by kind of change."""
+    if not run:
+        return el("p", el("strong", title), ": ", el("span", "none yet", class_="muted"))
+    head = el(
+        "p",
+        el("strong", title),
+        " ",
+        _when(run.get("finished_at"), now),
+        ": ",
+        run.get("error") or _changed(run),
+    )
+    rows = []
+    order = ("inserted", "updated", "deleted", "skipped_missing_parent", "on_the_way")
+    for kind in sorted(samples, key=lambda k: (order.index(k) if k in order else 9, k)):
+        items = samples[kind]
+        if not isinstance(items, list) or not items:
+            continue
+        keys = [item.get("key", item) if isinstance(item, Mapping) else item for item in items]
+        rows.append(
+            el(
+                "tr",
+                el("td", kind),
+                el("td", el("code", "; ".join(json.dumps(k, default=str) for k in keys))),
+            )
+        )
+    if not rows:
+        return head
+    return el("div", head, el("table", el("tbody", rows), class_="samples"))
+
+
+def _drift_section(view: JobView, now: Any) -> list[Markup]:
+    """The last check and the last repair (on a target that workers
+    maintain, what the queue path missed), with their samples."""
+    check = view.last_checked
+    detail = (check.get("detail") or {}).get("check", {}) if check else {}
+    repaired = (view.last_ran.get("detail") or {}).get("repaired", {}) if view.last_ran else {}
+    return [
+        el("h2", "Drift"),
+        _samples("Last check", check, detail.get("samples", {}), now),
+        _samples("Last repair", view.last_ran, repaired, now),
+    ]
+
+
 def _job_href(base: str, name: str) -> str:
     return f"{base}/job/{quote(name, safe='')}"
 
@@ -194,6 +250,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                     f" ({v.failures}\u00d7)" if failing else None,
                 ),
                 el("td", _changed(v.last_ran), class_="num"),
+                el("td", _drift(v.last_checked), class_="num"),
                 el(
                     "td",
                     "-" if v.queue is None else f"{v.queue.depth:,}",
@@ -213,7 +270,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                         "td",
                         el("pre", v.state.get("last_error") or "", class_="error-text"),
                         el("span", f"SQLSTATE {sqlstate}", class_="muted") if sqlstate else None,
-                        colspan="10",
+                        colspan="11",
                         class_="wrap",
                     ),
                     class_="error",
@@ -234,12 +291,13 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                 "Next attempt",
                 "Failing since",
                 "Rows changed (last run)",
+                "Drift (last check)",
                 "Queue",
             )
         ],
     )
     if not rows:
-        rows = [el("tr", el("td", "no jobs", colspan="10", class_="muted"))]
+        rows = [el("tr", el("td", "no jobs", colspan="11", class_="muted"))]
     return el("table", el("thead", head), el("tbody", rows), id="jobs")
 
 
@@ -561,6 +619,8 @@ class StatusPage:
             el("h2", "State"),
             _jobs_table(one, base),
         ]
+        if view is not None and view.kind == "recompute":
+            body += _drift_section(view, snap.now)
         if view is None or view.queue is not None or snap.dead:
             body += [
                 el("h2", "Queue"),

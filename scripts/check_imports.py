@@ -9,7 +9,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
     face         cli, progress, scheduler, api, testing, demo, web, snapshot, metrics, tracing, serve, __init__
     definitions  checks, registry, config, hookspecs
-    protocol     runner, records
+    protocol     runner, records, drift
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, locking, database, embedded
     model        jobs, results, errors, durations, backoff, logs
@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs"}),
-    ("protocol", {"runner", "records"}),
+    ("protocol", {"runner", "records", "drift"}),
     ("bodies", {"recompute", "worker"}),
     (
         "writers",

@@ -326,6 +326,7 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
     ("chunk_parents", "500", "chunk_parents", 500),
     ("chunk_rows", "2500", "chunk_rows", 2500),
     ("atomic", "true", "atomic", True),
+    ("verify_every", '"2h"', "verify_every", timedelta(hours=2)),
     ("batch_size", "7", "batch_size", 7),
     ("workers", "3", "workers", 3),
     ("max_attempts", "9", "max_attempts", 9),

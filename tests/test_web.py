@@ -234,6 +234,7 @@ def test_the_status_page_in_a_real_browser(running: tuple[str, Engine], tmp_path
         "next",
         "failing",
         "changed",
+        "drift",
         "queue",
     ]
     cells = {name: dict(zip(headers, row["cells"], strict=True)) for name, row in rows.items()}
@@ -247,6 +248,7 @@ def test_the_status_page_in_a_real_browser(running: tuple[str, Engine], tmp_path
         "next": "",
         "failing": "-",
         "changed": "+80 ~0 -0",
+        "drift": "-",
         "queue": "-",
     }
     assert cells["worker"]["kind"] == "queue" and cells["worker"]["outcome"] == "ran"

@@ -1,7 +1,14 @@
 """pgjobs-example: a first-party pgjobs plugin.
 
 It registers ``example-expire-sessions``, a :class:`pgjobs.TaskJob` that
-deletes expired rows of ``example_session``:
+deletes expired rows of ``example_session``, and a derived table kept two
+ways, as pgjobs is meant to be used: ``example_user_sessions`` (sessions per
+user) maintained by a queue worker (:data:`COUNT_WORKER`, fed by an enqueue
+trigger on ``example_session``) and recomputed now and then
+(:data:`RECOUNT`). The plugin's tests assert with
+:func:`pgjobs.testing.assert_no_drift` that both paths agree.
+
+The expiry job:
 
 * ``has_work`` asks whether any row has expired, before any lock is taken,
   so an empty pass never makes another job lose its group lock;
@@ -69,7 +76,59 @@ JOB = pgjobs.TaskJob(
 )
 
 
+# -- a derived table, kept by a queue worker and by a recompute --------------------------
+COUNTS_DDL = (
+    "create table if not exists example_user_sessions ("
+    " user_name text primary key,"
+    " sessions integer not null,"
+    " last_expires_at timestamptz not null)",
+)
+
+#: the full computation (the recompute's), and the same for some users (the worker's)
+COUNTS = (
+    "select user_name, count(*)::int as sessions, max(expires_at) as last_expires_at"
+    " from example_session group by user_name"
+)
+COUNTS_FOR_USERS = (
+    "select user_name, count(*)::int as sessions, max(expires_at) as last_expires_at"
+    " from example_session where user_name = any(:keys) group by user_name"
+)
+
+COUNT_WORKER = pgjobs.QueueJob(
+    name="example-user-sessions",
+    group="example-user-sessions",
+    target="example_user_sessions",
+    scope=("user_name",),
+    compute=COUNTS_FOR_USERS,
+    every="30s",
+    description="Sessions per user, for the users whose sessions changed.",
+)
+
+RECOUNT = pgjobs.RecomputeJob(
+    name="example-user-sessions-recount",
+    group="example-user-sessions",
+    target="example_user_sessions",
+    compute=COUNTS,
+    every="1h",
+    verify_every="10m",
+    description="Sessions per user, recomputed; checked for drift every 10 minutes.",
+)
+
+
+def install_counts(conn: Connection) -> None:
+    """Create ``example_user_sessions`` and the trigger that enqueues the
+    users whose sessions change (pgjobs' tables must be installed:
+    :func:`pgjobs.install`)."""
+    for statement in COUNTS_DDL:
+        conn.execute(text(statement))
+    pgjobs.install_enqueue_trigger(
+        conn, table="example_session", job=COUNT_WORKER, columns=("user_name",)
+    )
+
+
 @pgjobs.hookimpl
 def pgjobs_register_jobs(register: Callable[[pgjobs.Job], None]) -> None:
-    """Register :data:`JOB` with pgjobs."""
+    """Register :data:`JOB`, :data:`COUNT_WORKER` and :data:`RECOUNT` with pgjobs."""
     register(JOB)
+    register(COUNT_WORKER)
+    register(RECOUNT)
