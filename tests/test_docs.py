@@ -71,7 +71,9 @@ def test_getting_started_works_as_written(env_db: str, tmp_path: Path) -> None:
     try:
         run_sql(engine, schema)
         run_sql(engine, "insert into post values (1, 'first'), (2, 'second')")
-        env = {k: v for k, v in os.environ.items() if k != "PGJOBS_LOAD_PLUGINS"}
+        # PGJOBS_LOAD_PLUGINS="" (conftest) leaves out the installed plugins,
+        # which a new user does not have; pgjobs.toml's plugins still load
+        env = dict(os.environ)
         env["PGJOBS_DATABASE_URL"] = env_db
         command = [sys.executable, "-m", "pgjobs.cli"]
         listed = subprocess.run(
@@ -95,7 +97,12 @@ def test_getting_started_works_as_written(env_db: str, tmp_path: Path) -> None:
             [*command, "run"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
         )
         try:
-            _wait(engine, "select exists (select from pgjobs.run where job = 'post-scores')")
+            # listening: the enqueue's notification will wake it
+            _wait(
+                engine,
+                "select exists (select from pg_stat_activity"
+                " where datname = current_database() and query like 'listen %')",
+            )
             snippet = enqueue.replace(
                 '"postgresql+psycopg://localhost/app"', repr(normalize_url(env_db))
             )
