@@ -31,7 +31,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from test_flow import DERIVE, SCHEMA, WAIT, X, Case, r1, r2, r7, ran
+from test_flow import DERIVE, SCHEMA, WAIT, Case, X, r1, r2, r7, ran
 
 import pgjobs
 import pgjobs.flow
