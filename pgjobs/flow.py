@@ -61,8 +61,10 @@ FRESH = timedelta(minutes=1)
 STALE = timedelta(minutes=5)
 #: a scheduler renews the records of its queue jobs this often
 RENEW_EVERY = timedelta(seconds=60)
-#: records older than this are deleted (by the recomputes of their target)
-PRUNE_AFTER = timedelta(days=7)
+#: records older than this are deleted (by the recomputes of their target):
+#: until then a stale record says that workers ran (a warning, not an info
+#: line, when none is live); the table keeps a few rows per kind of worker
+PRUNE_AFTER = timedelta(hours=1)
 
 #: the process, as records show it
 WORKER = f"{socket.gethostname()}:{os.getpid()}"

@@ -35,6 +35,7 @@ from test_flow import DERIVE, SCHEMA, WAIT, Case, X, r1, r2, r7, ran
 
 import pgjobs
 import pgjobs.flow
+import pgjobs.recompute
 
 FLOW_LOG = "pgjobs.flow"
 
@@ -240,7 +241,7 @@ def test_two_versions_during_a_deploy_then_the_old_record_ages_out(apart: Case) 
     age(apart.engine, 6, scope=["item_id"])  # v1 stopped 6 min ago
     plan = read(apart)
     assert plan.state == "on" and plan.scope == ("item_id", "n")
-    age(apart.engine, 8 * 24 * 60, scope=["item_id"])  # 8 days
+    age(apart.engine, 2 * 60, scope=["item_id"])  # 2 h: past PRUNE_AFTER
     with pgjobs.Runner(apart.engine) as runner:
         assert runner.tick(apart.recompute, force=True).outcome == "ran"
     assert [r["scope"] for r in records(apart.engine)] == [["item_id", "n"]]
@@ -275,6 +276,28 @@ def test_a_worker_that_records_itself_during_the_run_makes_it_give_up(
     assert "has flow = false" in line
     gave = [r.getMessage() for r in caplog.records if "gives up this run" in r.getMessage()]
     assert len(gave) == 1 and "w (scope (item_id), group 'g', flow = false)" in gave[0]
+
+
+def test_records_that_change_between_the_work_check_and_s0_give_the_run_up(
+    apart: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work check planned flow; a worker of another scope records itself
+    before S0: the S0 statement sees it, and the run gives up before it
+    computes. The next run plans again: a conflict, without flow."""
+    original = pgjobs.recompute.read_plan
+
+    def then_a_worker_records(conn: Any, job: Any, namespace: str, schema: str) -> Any:
+        plan = original(conn, job, namespace, schema)
+        record(apart.engine, apart.worker.replace(name="w9", scope=("item_id", "n")))
+        return plan
+
+    monkeypatch.setattr(pgjobs.recompute, "read_plan", then_a_worker_records)
+    with pgjobs.Runner(apart.engine) as runner:
+        gave_up = runner.tick(apart.recompute, force=True)
+        assert gave_up.outcome == "busy"
+        monkeypatch.setattr(pgjobs.recompute, "read_plan", original)
+        again = runner.tick(apart.recompute, force=True)
+    assert again.outcome == "ran" and again.detail["flow"] == "conflict"
 
 
 # -- the must-show: a scheduler with only the queue job, the recompute in another process ---------
