@@ -252,12 +252,13 @@ class Scheduler:
                     id=_PRUNE_ID,
                     name=_PRUNE_ID,
                 )
-            aps.add_job(
-                self._renew_workers,
-                IntervalTrigger(seconds=RENEW_EVERY.total_seconds(), timezone=self.timezone),
-                id=_RENEW_ID,
-                name=_RENEW_ID,
-            )
+            if any(isinstance(job, QueueJob) for job in self.jobs.values()):
+                aps.add_job(  # their records, for recomputes elsewhere (pgjobs.flow)
+                    self._renew_workers,
+                    IntervalTrigger(seconds=RENEW_EVERY.total_seconds(), timezone=self.timezone),
+                    id=_RENEW_ID,
+                    name=_RENEW_ID,
+                )
             with self._wake_lock:
                 self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
             aps.start()
