@@ -353,8 +353,8 @@ _told: dict[str, str] = {}
 def tell(job: RecomputeJob, plan: FlowPlan) -> None:
     """One line per process and job when its plan changes: a warning when
     it runs without flow though workers were seen (or disagree), an info
-    line when none is known (a recompute alone: flow would change nothing)
-    or when flow is back."""
+    line when flow is back; a debug line only when no worker is known (a
+    recompute alone, the usual case: flow would change nothing)."""
     before = _told.get(job.name)
     if before == plan.state or (before is None and plan.state in ("on", "off")):
         return
@@ -362,7 +362,7 @@ def tell(job: RecomputeJob, plan: FlowPlan) -> None:
     if plan.state == "on":
         log.info("pgjobs: %s: runs with flow again (workers' scope %s)", job.name, plan.scope)
     elif plan.state == "no workers":
-        log.info(
+        log.debug(
             "pgjobs: %s: runs without flow: %s (without one nothing waits for it)",
             job.name,
             plan.reason,
