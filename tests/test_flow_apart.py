@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -458,13 +459,18 @@ def _processed(listen: psycopg.Connection[Any], item: int) -> float:
 
 
 def _wait_for_the_workers_record(engine: Engine, proc: subprocess.Popen[bytes]) -> None:
-    """Until ``pgjobs run`` started and recorded its queue job (bounded)."""
+    """Until ``pgjobs run`` started and recorded its queue job (bounded):
+    the scheduler's own record, at its start (its ticks so far found no
+    item, and a tick with nothing to do takes no lock and records nothing)."""
     with engine.connect() as conn:
         for _ in range(600):
             assert proc.poll() is None, "pgjobs run exited"
-            n = conn.execute(text("select count(*) from pgjobs.flow_worker")).scalar_one()
+            found = conn.execute(text("select job, scope, worker from pgjobs.flow_worker")).all()
             conn.rollback()
-            if n:
+            if found:
+                assert [tuple(r) for r in found] == [
+                    ("w", ["item_id"], f"{socket.gethostname()}:{proc.pid}")
+                ]
                 return
             threading.Event().wait(0.05)
     raise AssertionError("pgjobs run never recorded its queue job")
