@@ -72,8 +72,10 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         prefetched=ctx.extra.pop("fingerprint", None),
     )
     plan: FlowPlan = ctx.extra.get("flow", OFF)
-    if job.flow:  # the records no recompute will read again, with the commit
-        later(conn, *prune_query(ctx.schema, target.label))
+    if job.flow:
+        # The records no recompute will read again, in the commit's round trip
+        # (with the write lock held: a worker renewing one cannot wait for it).
+        ctx.before_commit.append(prune_query(ctx.schema, target.label))
     try:
         return _run(conn, job, ctx, target, plan)
     except WorkersChanged as exc:

@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 from test_flow import DERIVE, SCHEMA, WAIT, Case, X, r1, r2, r7, ran
 
@@ -138,6 +138,45 @@ def test_a_tick_records_its_job_once_per_fresh_period(apart: Case) -> None:
     ran(apart.start_worker())
     (renewed,) = records(apart.engine)
     assert renewed["xid"] != first["xid"]
+
+
+def test_a_tick_never_waits_for_the_recompute_that_prunes_its_record(apart: Case) -> None:
+    """The worker's only record is 2 h old, written by the very server
+    session its next tick runs on: a recompute (flow by its registry's
+    worker_scope) deletes it, but in its commit's round trip, under the
+    write lock; a tick during the compute renews the row at once, without
+    waiting, and the recompute then keeps it (no longer old)."""
+    one = create_engine(apart.engine.url, pool_size=1, max_overflow=0)
+    try:
+        with one.connect() as conn:
+            backend = conn.execute(text("select pg_backend_pid()")).scalar_one()
+        with apart.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "update pgjobs.flow_worker set backend = :b,"
+                    " seen_at = clock_timestamp() - interval '2 hours'"
+                ),
+                {"b": backend},
+            )
+        believes = apart.recompute.replace(worker_scope=("item_id",))
+        apart.points.stop_at("R:computed")
+
+        def run() -> pgjobs.RunResult:
+            with pgjobs.Runner(apart.engine) as runner:
+                return runner.tick(believes, force=True, progress=apart.progress)
+
+        r = apart.pool.submit(run)
+        apart.points.wait("R:computed")
+        apart.change(X)
+        with pgjobs.Runner(one) as runner:  # lock_timeout 200 ms: a wait would fail it
+            assert runner.tick(apart.worker.replace(lock_timeout="200ms"), force=True).ok
+        apart.points.release("R:computed")
+        assert ran(r).detail["flow"] == "on"
+    finally:
+        one.dispose()
+    (renewed,) = records(apart.engine)
+    assert renewed["backend"] == backend
+    assert apart.wrong() == []
 
 
 # -- when the recompute cannot know ---------------------------------------------------------------
@@ -303,7 +342,7 @@ def test_records_that_change_between_the_work_check_and_s0_give_the_run_up(
 PLUGIN = """
 import json
 
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 import pgjobs
 
