@@ -513,10 +513,12 @@ class RecomputeJob(_DiffJob):
     chunk_parents: int | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     atomic: bool = False
-    #: the scope of the group's queue workers on this target, which flow
-    #: needs to tell which rows a worker rewrote: set by the registry when
-    #: every queue job of the group on this target has flow on and one
-    #: scope; ``None``: the recompute runs without flow
+    #: the scope of the group's queue workers on this target as this
+    #: process knows them: set by the registry when every queue job of the
+    #: group on this target registered beside it has flow on and one scope.
+    #: Each run also reads the workers' own records (``docs/flow.md``):
+    #: flow needs them to agree with this, and runs without it when
+    #: ``None`` and no worker recorded itself.
     worker_scope: tuple[str, ...] | None = None
     #: check the target on this schedule (:func:`pgjobs.check`: what a
     #: recompute would write, nothing written) and record it in the run log
@@ -551,7 +553,8 @@ class RecomputeJob(_DiffJob):
 
     @property
     def flows(self) -> bool:
-        """Runs with flow: on, and the registry found its workers' scope."""
+        """Flow on, and its process knows its workers' scope (whether a run
+        has flow is decided by the workers' records too: ``docs/flow.md``)."""
         return self.flow and self.worker_scope is not None
 
 

@@ -4,7 +4,8 @@ an analyzed temp table holding no row lock, then let the diff writer
 
 The runner (:mod:`pgjobs.runner`) calls :data:`BODY` inside the job's
 transaction with the group lock held. Staging is :mod:`pgjobs.staging`,
-the target's reflection :mod:`pgjobs.target`.
+the target's reflection :mod:`pgjobs.target`; whether it runs with flow
+(and its workers' scope), :mod:`pgjobs.flow`, read in the work check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from sqlalchemy.engine import Connection
 
 from ._pg import later, send
 from .diff import DiffWriter
+from .flow import (
+    OFF,
+    FlowPlan,
+    WorkersChanged,
+    changed_query,
+    disagrees,
+    plan_for,
+    prune_query,
+    read_plan,
+    records,
+    snapshot_query,
+)
 from .jobs import RecomputeJob, RunContext
 from .locking import WAIT_SESSION_SQL, WAIT_XACT_SQL, lock_name
 from .results import Execution
@@ -48,8 +61,9 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
     rows holding no row lock, then write the difference
     (:class:`~pgjobs.diff.DiffWriter`), committing after each chunk when it
     is written in chunks. Runs inside the job's transaction with the group
-    lock held."""
-    started = time.perf_counter()
+    lock held (and, without flow, the write lock). With flow, a worker that
+    recorded itself during the run and does not fit the plan gives the run
+    up: ``busy``, and the next run plans again (:mod:`pgjobs.flow`)."""
     target = reflect_target(
         conn,
         job.target,
@@ -57,7 +71,23 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         parents=job.parents,
         prefetched=ctx.extra.pop("fingerprint", None),
     )
-    flow = _Flow.start(conn, job, ctx, target) if job.flows else None
+    plan: FlowPlan = ctx.extra.get("flow", OFF)
+    if job.flow:
+        # The records no recompute will read again, in the commit's round trip
+        # (with the write lock held: a worker renewing one cannot wait for it).
+        ctx.before_commit.append(prune_query(ctx.schema, target.label))
+    try:
+        return _run(conn, job, ctx, target, plan)
+    except WorkersChanged as exc:
+        log.warning("pgjobs: %s: gives up this run and tries again: %s", job.name, exc)
+        return Execution(busy=True, detail={"flow": "changed", "flow_reason": str(exc)})
+
+
+def _run(
+    conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, plan: FlowPlan
+) -> Execution:
+    started = time.perf_counter()
+    flow = _Flow.start(conn, job, ctx, target) if plan.flows else None
     # Chunks need tables that outlive a commit, and a runner that commits. A
     # target that references itself is written at once, unless chunks of
     # parents are asked for (which the writer refuses there, saying why).
@@ -101,6 +131,7 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
         "chunks": result.chunks,
         "max_chunk_lock_seconds": round(result.max_chunk_lock_seconds, 6),
         "deferred": result.deferred,
+        "flow": plan.state,
         **result.detail,
     }
     if repaired:
@@ -153,35 +184,54 @@ class _Flow:
         self, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, s0: str
     ) -> None:
         self.conn, self.job, self.target, self.s0 = conn, job, target, s0
+        self.namespace, self.schema = ctx.namespace, ctx.schema
         self.write_lock = lock_name(ctx.namespace, job.group or job.name)
         self.marks = sql.Identifier(ctx.schema, "mark")
+        #: the plan of the work check (pgjobs.flow): the workers' scope
+        self.plan: FlowPlan = ctx.extra["flow"]
+        assert self.plan.scope is not None
+        self.scope: tuple[str, ...] = self.plan.scope
 
     @classmethod
     def start(cls, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target) -> _Flow:
         """S0: the write lock, waited for (no worker transaction is then open),
-        and in a statement after the grant the snapshot, and the lock given
-        back: one round trip."""
+        and in a statement after the grant the snapshot, the workers' records
+        as that snapshot sees them, and the lock given back: one round trip.
+        Records that no longer give the work check's plan give the run up."""
         write_lock = lock_name(ctx.namespace, job.group or job.name)
         _, taken = send(
             conn,
             (WAIT_SESSION_SQL, (write_lock,)),
-            (_SNAPSHOT_AND_UNLOCK, (write_lock,)),
+            snapshot_query(ctx.schema, target.label, write_lock),
         )
-        return cls(conn, job, ctx, target, str(taken.scalar()))
+        row = taken.one()
+        assert row is not None
+        flow = cls(conn, job, ctx, target, str(row[0]))
+        again = plan_for(job, ctx.namespace, records(row[1]))
+        if again.scope != flow.scope:
+            raise WorkersChanged(
+                f"its queue workers' records changed as it started: {again.reason or again.scope}"
+            )
+        return flow
 
     def exclude(self, writer: DiffWriter, chunk: int | None) -> None:
         """The write lock for this chunk's transaction, to its commit; then,
         in a statement after the grant (same round trip), the rows of keys a
-        worker rewrote after S0 out of the chunk."""
+        worker rewrote after S0 out of the chunk; and the records renewed
+        after S0, which must fit the plan (else the run is given up)."""
         later(self.conn, WAIT_XACT_SQL, (self.write_lock,))
+        changed = later(self.conn, *changed_query(self.schema, self.target.label, self.s0))
         self.exclude_now(writer, chunk)
+        assert changed.result is not None
+        reason = disagrees(self.plan, self.job, self.namespace, records(changed.result.scalar()))
+        if reason:
+            raise WorkersChanged(reason)
 
     def exclude_now(self, writer: DiffWriter, chunk: int | None) -> None:
         """The exclusion itself: the keys whose mark is not visible in S0."""
-        assert self.job.worker_scope is not None
         writer.exclude(
             chunk,
-            self.job.worker_scope,
+            self.scope,
             sql.SQL(
                 "select m.key from {} as m where m.target = %s"
                 " and not pg_visible_in_snapshot(m.xid, %s::pg_snapshot)"
@@ -200,12 +250,6 @@ class _Flow:
         )
 
 
-#: S0, read in a statement after the write lock's grant, and the lock given back
-_SNAPSHOT_AND_UNLOCK = (
-    "select pg_current_snapshot()::text, pg_advisory_unlock(hashtextextended(%s, 0))"
-)
-
-
 class RecomputeBody:
     """How the runner runs a :class:`~pgjobs.RecomputeJob`."""
 
@@ -215,7 +259,17 @@ class RecomputeBody:
         return None
 
     def check_work(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> bool:
-        return True if job.has_work is None else bool(job.has_work(conn))
+        if job.has_work is not None and not job.has_work(conn):
+            return False
+        # with flow or not, and the workers' scope: from their records
+        ctx.extra["flow"] = read_plan(conn, job, ctx.namespace, ctx.schema)
+        return True
+
+    def flows(self, job: RecomputeJob, ctx: RunContext) -> bool:
+        """Whether the work check's plan has flow (the runner takes the
+        write lock at the start of the run when it has not)."""
+        plan: FlowPlan = ctx.extra.get("flow", OFF)
+        return plan.flows
 
     def prefetch(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> None:
         # the reflection cache's catalog check (see reflect_target)

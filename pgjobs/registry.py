@@ -305,8 +305,9 @@ class Registry:
     def _link_flow(self, writers: dict[str, list[Registered]]) -> None:
         """Give each recompute with flow on the scope of its group's queue
         workers on its target (:attr:`RecomputeJob.worker_scope`), when they
-        all have flow on and one scope: then the recompute runs with flow.
-        Otherwise it holds the lock from start to commit, as without flow."""
+        all have flow on and one scope. That is what this process knows;
+        each run also reads the records the workers leave wherever they run
+        (:mod:`pgjobs.flow`), and has flow only when both agree."""
         for entries in writers.values():
             for entry in entries:
                 job = entry.job

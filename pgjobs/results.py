@@ -63,6 +63,10 @@ class Execution:
     #: the body found nothing to do after all (another worker took the items
     #: the work check saw): the runner rolls back and ends the tick ``idle``
     idle: bool = False
+    #: the body gave up without writing (a recompute whose queue workers
+    #: changed while it ran with flow): the runner rolls back and ends the
+    #: tick ``busy``, to be retried soon
+    busy: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -409,6 +409,9 @@ class _Tick:
             if execution.idle:
                 self.trans.rollback()
                 return self._finish(Outcome.IDLE)
+            if execution.busy:  # a recompute with flow gave up (pgjobs.flow)
+                self.trans.rollback()
+                return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
             result = self._commit(execution)
         except Exception as exc:
             return self._fail_locked(exc)
@@ -477,7 +480,7 @@ class _Tick:
             return WAIT_XACT_SHARED_SQL, (write,)
         if isinstance(job, RecomputeJob):
             mine = recompute_lock_name(namespace, group)
-            if job.flows:
+            if RECOMPUTE.flows(job, self.ctx):  # its work check read the workers' records
                 return TRY_XACT_SQL, (mine,)
             return TRY_XACT_BOTH_SQL, (mine, write)
         return TRY_XACT_SQL, (write,)

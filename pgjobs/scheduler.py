@@ -59,6 +59,7 @@ from .checks import check_jobs
 from .database import transaction_pooling
 from .durations import Duration, parse_duration
 from .errors import ConfigError
+from .flow import RENEW_EVERY, renew
 from .jobs import Job, Progress, QueueJob, RecomputeJob
 from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PRUNE_ID = "pgjobs:prune"
+_RENEW_ID = "pgjobs:flow-workers"
 
 
 def _entry_id(name: str) -> str:
@@ -227,6 +229,7 @@ class Scheduler:
                 check_jobs(self.runner.engine, [self.registry.entry(n) for n in self.jobs])
             self.runner.install()
             self._stopping.clear()
+            self._renew_workers()
             aps = BackgroundScheduler(
                 timezone=self.timezone,
                 executors={"default": ThreadPoolExecutor(self.max_workers)},
@@ -264,6 +267,13 @@ class Scheduler:
                     ),
                     id=_PRUNE_ID,
                     name=_PRUNE_ID,
+                )
+            if any(isinstance(job, QueueJob) for job in self.jobs.values()):
+                aps.add_job(  # their records, for recomputes elsewhere (pgjobs.flow)
+                    self._renew_workers,
+                    IntervalTrigger(seconds=RENEW_EVERY.total_seconds(), timezone=self.timezone),
+                    id=_RENEW_ID,
+                    name=_RENEW_ID,
                 )
             with self._wake_lock:
                 self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
@@ -496,6 +506,19 @@ class Scheduler:
             return
         if deleted:
             log.info("pgjobs: pruned %d run record(s) older than %s", deleted, self.keep_runs)
+
+    def _renew_workers(self) -> None:
+        """Record the queue jobs as workers of their targets, for recomputes
+        that run in other processes (:mod:`pgjobs.flow`). A failure is only
+        logged: the ticks record their job too."""
+        queues = [job for job in self.jobs.values() if isinstance(job, QueueJob)]
+        if not queues or self._stopping.is_set():
+            return
+        try:
+            with self.runner.engine.connect() as conn:
+                renew(conn, queues, self.runner.namespace, self.runner.store.schema)
+        except Exception:
+            log.debug("pgjobs: could not record the queue workers", exc_info=True)
 
 
 def _lost_listening(exc: BaseException) -> None:

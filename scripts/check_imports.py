@@ -11,7 +11,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     definitions  checks, registry, config, hookspecs
     protocol     runner, records, drift
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, locking, database, embedded
+    writers      diff, staging, target, queue, store, locking, database, embedded, flow
     model        jobs, results, errors, durations, backoff, logs
     base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
 
@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "database",
             "embedded",
             "listener",
+            "flow",
         },
     ),
     ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),

@@ -23,7 +23,8 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import driver
+from .._pg import driver, later
+from ..flow import record_query
 from ..jobs import QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
@@ -69,6 +70,9 @@ class QueueBody:
     def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> None:
         # the reflection cache's catalog check (see reflect_target)
         ctx.extra["fingerprint"] = prefetch_fingerprint(conn, job.target, job.parents)
+        # after the write lock: this job's record for recomputes run elsewhere
+        # (pgjobs.flow), unless a fresh one is there (then an index probe)
+        later(conn, *record_query(job, ctx.namespace, ctx.schema))
 
     def execute(self, conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
         return run_queue(conn, job, ctx)
