@@ -209,6 +209,19 @@ def cli(config_path: str | None, database: str | None) -> None:
     help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs-derived[metrics]); may be"
     " the --http address.",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Refuse to start when a job fails its check against the database (by default that job is"
+    " shown failing, backed off and checked again, while the others run).",
+)
+@click.option(
+    "--shutdown-timeout",
+    metavar="DURATION",
+    default=None,
+    help="On SIGTERM/SIGINT, wait at most this long (e.g. 30s) for running jobs, then cancel their"
+    " statements on the server and roll back (recorded 'cancelled', no backoff). Default: wait.",
+)
 def run(
     config_path: str | None,
     database: str | None,
@@ -218,11 +231,14 @@ def run(
     exit_if_unreachable: bool,
     http_address: str | None,
     metrics_address: str | None,
+    strict: bool,
+    shutdown_timeout: str | None,
 ) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT.
 
     The first signal stops firing and waits for the running transactions to
-    commit or roll back; a second one exits at once (PostgreSQL rolls back).
+    commit or roll back (at most --shutdown-timeout, then their statements
+    are cancelled); a second one exits at once (PostgreSQL rolls back).
     A database that cannot be reached at start is waited for (one line says
     so), unless --exit-if-unreachable; one that goes away later is too.
     """
@@ -250,6 +266,8 @@ def run(
             database=url,
             registry=registry,
             check=not no_check,
+            strict=strict,
+            shutdown_timeout=shutdown_timeout,
             on_result=_tracing(),
         )
         if metrics is not None:
@@ -281,10 +299,13 @@ def run(
         finally:
             for server in servers:
                 server.close()
-            scheduler.shutdown(wait=True)
+            ended = scheduler.shutdown(wait=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
+        if not ended:  # a tick past the deadline, busy outside any statement
+            sys.stderr.flush()
+            os._exit(EXIT_OK)
 
 
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:

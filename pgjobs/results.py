@@ -17,6 +17,10 @@ class Outcome(StrEnum):
     BACKING_OFF = "backing_off"  #: the job failed recently and waits for ``next_attempt_at``
     NOT_DUE = "not_due"  #: it ran less than one interval ago (here or on another replica)
     FAILED = "failed"  #: the job raised; its transaction was rolled back
+    PAUSED = "paused"  #: the job is paused (``pgjobs pause``); nothing was done
+    #: a shutdown deadline cancelled the run's statement; rolled back, not a
+    #: failure (no backoff)
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
