@@ -6,6 +6,8 @@
     pgjobs once JOB         run one tick of JOB now, showing its phases and progress
     pgjobs list             jobs, owner plugins, kinds, groups and schedules
     pgjobs status           last outcome, next attempt, failures, rows changed, queue depth
+    pgjobs pause JOB        pause JOB on every scheduler (``resume JOB`` resumes it)
+    pgjobs enqueue JOB KEY  add items to JOB's queue (``revive JOB`` brings dead ones back)
     pgjobs demo             the demonstration (see ``pgjobs demo --help``)
 
 Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
@@ -422,6 +424,10 @@ def _summary(result: RunResult) -> str:
         return f"{head}: another transaction holds the group lock; nothing was done"
     if result.outcome is Outcome.IDLE:
         return f"{head}: nothing to do (has_work said no)"
+    if result.outcome is Outcome.PAUSED:
+        from .operate import paused_line
+
+        return paused_line(result)
     return head
 
 
@@ -431,6 +437,7 @@ def _summary(result: RunResult) -> str:
 @_verbosity
 @click.option("--json", "as_json", is_flag=True, help="Print the RunResult as JSON.")
 @click.option("--no-check", is_flag=True, help="Skip checking the job against the database first.")
+@click.option("--force", is_flag=True, help="Run the tick even if the job is paused.")
 def once(
     job: str,
     config_path: str | None,
@@ -438,11 +445,13 @@ def once(
     verbose: int,
     as_json: bool,
     no_check: bool,
+    force: bool,
 ) -> None:
     """Run one tick of JOB now, forced: its schedule and backoff are ignored
     (a job that is not due, or backing off after a failure, runs anyway),
-    never its group lock (busy: exit 1). pgjobs.run_once() is not forced by
-    default: it honours both, as the scheduler does.
+    never its group lock (busy: exit 1), nor a pause (``pgjobs pause``: exit
+    1; --force runs it anyway). pgjobs.run_once() is not forced by default:
+    it honours all of them, as the scheduler does.
 
     Phases and progress go to stderr (redrawn in place on a terminal, a line
     per phase otherwise); the outcome to stdout. Exit 1 if the tick failed or
@@ -463,12 +472,12 @@ def once(
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
             with Display(job, sys.stderr) as progress:
-                result = runner.tick(target, force=True, progress=progress)
+                result = runner.tick(target, force=True, run_paused=force, progress=progress)
         if as_json:
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY):
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.PAUSED):
             sys.exit(EXIT_FAILED)
 
 
@@ -546,21 +555,26 @@ def _until(when: datetime | None, now: datetime) -> str:
 
 def _status(
     registry: Registry, config: Config, url: str | None
-) -> tuple[list[dict[str, Any]], datetime]:
+) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]]]:
     """Every job's row of ``pgjobs status``: registered jobs first, then jobs
-    that are no longer registered but still have a state."""
+    that are no longer registered but still have a state; and the schedulers'
+    heartbeats."""
     from .database import resolve_engine
+    from .heartbeat import read_schedulers
+    from .operate import paused_of
     from .queue import queue_stats
     from .store import Store
 
     engine, owned = resolve_engine(url)
     queues: dict[str, Any] | None = None
+    schedulers: list[dict[str, Any]] = []
     try:
         with engine.connect() as conn, conn.begin():
             # Reading must not install pgjobs' tables: status writes nothing.
             read = Store(config.schema).status(conn)
             if read.installed:
                 queues = {q.job: _jsonable(q) for q in queue_stats(conn, schema=config.schema)}
+                schedulers = read_schedulers(conn, config.schema)
     finally:
         if owned:
             engine.dispose()
@@ -586,9 +600,10 @@ def _status(
                 "last_sqlstate": state.get("last_sqlstate"),
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
+                "paused": paused_of(state),
             }
         )
-    return rows, read.now
+    return rows, read.now, schedulers
 
 
 @cli.command()
@@ -601,9 +616,10 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
     """
     with _errors():
         config, registry, url = _load(config_path, database)
-        rows, now = _status(registry, config, url)
+        rows, now, schedulers = _status(registry, config, url)
         if as_json:
-            click.echo(json.dumps(_jsonable({"now": now, "jobs": rows}), indent=2))
+            data = {"now": now, "jobs": rows, "schedulers": schedulers}
+            click.echo(json.dumps(_jsonable(data), indent=2))
         else:
             table = []
             for r in rows:
@@ -648,8 +664,80 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                     click.echo(
                         f"\n{r['job']}: failing ({r['failures']:,}x){state}: {r['last_error']}"
                     )
+                if r["paused"]:
+                    paused = r["paused"]
+                    why = f": {paused['reason']}" if paused["reason"] else ""
+                    since = f"{paused['since']:%Y-%m-%d %H:%M:%S %Z}"
+                    click.echo(f"\n{r['job']}: paused since {since} by {paused['by']}{why}")
+            if schedulers:  # their heartbeats (pgjobs.heartbeat)
+                from .operate import schedulers_table
+
+                click.echo("\n" + schedulers_table(schedulers, now))
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
+
+
+# -- pause, resume, enqueue, revive (their work and words: pgjobs.operate) ------------
+@cli.command()
+@click.argument("job")
+@click.option("--reason", metavar="TEXT", default=None, help="Why, shown by status and the page.")
+@_common
+def pause(job: str, reason: str | None, config_path: str | None, database: str | None) -> None:
+    """Pause JOB on every scheduler of the database, from its next tick.
+
+    Its ticks end 'paused' (counted, not logged); queue items keep
+    accumulating. `pgjobs resume JOB` resumes it."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).pause(job, reason=reason))
+
+
+@cli.command()
+@click.argument("job")
+@_common
+def resume(job: str, config_path: str | None, database: str | None) -> None:
+    """Resume JOB, paused by `pgjobs pause`; a queue job drains what waited."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).resume(job))
+
+
+@cli.command(name="enqueue")
+@click.argument("job")
+@click.argument("keys", nargs=-1, required=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help='Each KEY is JSON: [7, "b"] or {"a": 7, "b": "b"}.'
+)
+@_common
+def enqueue_items(
+    job: str, keys: tuple[str, ...], as_json: bool, config_path: str | None, database: str | None
+) -> None:
+    """Add KEYs to queue job JOB's queue, in one transaction (a dead item is revived).
+
+    A KEY is the scope column's value as text (typed by the column); for a
+    composite scope, give each as JSON with --json."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).enqueue(job, keys, as_json=as_json))
+
+
+@cli.command()
+@click.argument("job")
+@click.argument("keys", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Each KEY is JSON (as for enqueue).")
+@_common
+def revive(
+    job: str, keys: tuple[str, ...], as_json: bool, config_path: str | None, database: str | None
+) -> None:
+    """Put JOB's dead queue items back: due now, attempts reset; all of them
+    when no KEY is given."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).revive(job, keys, as_json=as_json))
 
 
 # -- demo ----------------------------------------------------------------------------

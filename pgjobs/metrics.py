@@ -8,7 +8,8 @@ Two kinds of figures:
 
   ==========================================  ===================================
   ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed, idle,
-                                              busy, not_due, backing_off
+                                              busy, not_due, backing_off, paused,
+                                              cancelled
   ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
   ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
                                               lock to the end of the writes)
@@ -23,8 +24,10 @@ Two kinds of figures:
   ``pgjobs_queue_depth``, ``pgjobs_queue_due``, ``pgjobs_queue_retrying``,
   ``pgjobs_queue_dead``, ``pgjobs_queue_oldest_due_age_seconds``,
   ``pgjobs_job_failures`` (consecutive), ``pgjobs_job_backing_off`` (0/1),
-  ``pgjobs_job_last_success_timestamp_seconds``, all by ``job``; and
-  ``pgjobs_database_up`` (0 when that read failed).
+  ``pgjobs_job_last_success_timestamp_seconds``, ``pgjobs_job_paused``
+  (0/1), ``pgjobs_job_paused_since_timestamp_seconds``, all by ``job``;
+  ``pgjobs_schedulers{state}`` (``live``, ``quiet``: by their heartbeats);
+  and ``pgjobs_database_up`` (0 when that read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
 of jobs, nothing else. pgjobs registers nothing in ``prometheus_client``'s
@@ -51,6 +54,7 @@ from psycopg import sql
 
 from ._pg import execute, set_local
 from .errors import PgJobsError
+from .heartbeat import read_schedulers
 from .results import Outcome, RunResult
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
 
@@ -121,7 +125,8 @@ class Metrics:
             ProcessCollector(registry=r)
         self.runs = Counter(
             "pgjobs_runs",
-            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off).",
+            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off, paused,"
+            " cancelled).",
             ["job", "outcome"],
             registry=r,
         )
@@ -280,6 +285,7 @@ class _Row:
     retrying: int
     dead: int
     oldest_due: float
+    paused_since: float | None = None
 
 
 class _DatabaseCollector(Collector):
@@ -292,6 +298,8 @@ class _DatabaseCollector(Collector):
         self.statement_timeout = statement_timeout
         self._lock = threading.Lock()
         self._cached: tuple[float, list[_Row] | None] | None = None
+        #: live and gone-quiet schedulers (pgjobs.heartbeat), read with the rows
+        self.schedulers: tuple[int, int] = (0, 0)
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -308,7 +316,8 @@ class _DatabaseCollector(Collector):
             " select coalesce(s.job, q.job), s.failures, s.next_attempt_at > now(),"
             " extract(epoch from s.last_success_at)::float8, q.job is not null,"
             " coalesce(q.depth, 0), coalesce(q.due, 0), coalesce(q.retrying, 0),"
-            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0)"
+            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0),"
+            " extract(epoch from s.paused_at)::float8"
             " from {state} s full join q on q.job = s.job order by 1"
         ).format(queue=sql.Identifier(schema, "queue"), state=sql.Identifier(schema, "job_state"))
 
@@ -330,7 +339,10 @@ class _DatabaseCollector(Collector):
                 with source.engine.connect() as conn, conn.begin():
                     execute(conn, *set_local(settings))
                     found = execute(conn, self._query(source.schema)).fetchall()
+                    beats = read_schedulers(conn, source.schema)
                 rows = [_Row(*r) for r in found]
+                live = sum(1 for b in beats if b["live"])
+                self.schedulers = (live, len(beats) - live)
             except Exception:
                 log.warning(
                     "pgjobs: metrics: could not read the queue and job states", exc_info=True
@@ -352,6 +364,14 @@ class _DatabaseCollector(Collector):
         yield up
         if rows is None:
             return
+        schedulers = GaugeMetricFamily(
+            "pgjobs_schedulers",
+            "Schedulers on the database by heartbeat: live, or quiet (not seen for 3 heartbeats).",
+            labels=["state"],
+        )
+        schedulers.add_metric(["live"], self.schedulers[0])
+        schedulers.add_metric(["quiet"], self.schedulers[1])
+        yield schedulers
         by_job = {r.job: r for r in rows}
         # jobs of the built-in queue: every known one (an empty queue is 0),
         # and any other job the table holds items for
@@ -394,11 +414,20 @@ class _DatabaseCollector(Collector):
                     "pgjobs_job_last_success_timestamp_seconds",
                     "When the job last ran successfully (Unix time).",
                 ),
+                ("pgjobs_job_paused", "1 while the job is paused (pgjobs pause), else 0."),
+                (
+                    "pgjobs_job_paused_since_timestamp_seconds",
+                    "Since when the job is paused (Unix time); absent when it is not.",
+                ),
             ]
         )
         names = [*source.jobs, *sorted(r.job for r in rows if r.job not in source.jobs)]
         for name in names:
             row = by_job.get(name)
+            paused = row.paused_since if row is not None else None
+            states[3].add_metric([name], 0 if paused is None else 1)
+            if paused is not None:
+                states[4].add_metric([name], paused)
             if row is None or row.failures is None:
                 if name in source.jobs:
                     states[0].add_metric([name], 0)

@@ -66,6 +66,7 @@ from .checks import check_jobs
 from .database import transaction_pooling
 from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
+from .heartbeat import Heartbeat
 from .jobs import Job, Progress, QueueJob
 from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
@@ -104,7 +105,8 @@ class Scheduler:
     when its backoff ends, while the other jobs run; with ``strict``, one
     that fails makes :meth:`start` raise, before anything is written.
     ``shutdown_timeout``: the default deadline of :meth:`shutdown` (``None``:
-    wait as long as the running ticks take). ``on_result`` is called with every tick's
+    wait as long as the running ticks take). ``heartbeat_every``: how often
+    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`). ``on_result`` is called with every tick's
     :class:`~pgjobs.RunResult`, from the worker thread. ``listen``: wake queue
     jobs on enqueue (default: yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says
     a transaction pooler is in the way).
@@ -129,6 +131,7 @@ class Scheduler:
         listen: bool | None = None,
         strict: bool = False,
         shutdown_timeout: Duration | None = None,
+        heartbeat_every: Duration = "5s",
     ) -> None:
         from .registry import Registry
 
@@ -153,13 +156,19 @@ class Scheduler:
         #: the jobs that failed their pre-flight check, set aside
         self.preflight = Preflight(self.runner)
         self._flight = _InFlight()
+        every = parse_duration(heartbeat_every, field="heartbeat_every")
+        if every <= timedelta(0):
+            raise ConfigError(f"heartbeat_every: must be positive, got {heartbeat_every!r}")
+        #: this scheduler's row in pgjobs.scheduler, while it runs
+        self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), every)
         self._triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
                 try:
-                    self._triggers[job.name] = CronTrigger.from_crontab(
-                        job.cron, timezone=self.timezone
+                    zone = (
+                        self.timezone if job.timezone is None else zoneinfo.ZoneInfo(job.timezone)
                     )
+                    self._triggers[job.name] = CronTrigger.from_crontab(job.cron, timezone=zone)
                 except ValueError as exc:
                     # The job checked the expression's syntax; what APScheduler
                     # still refuses is named by the job's config key (or plugin).
@@ -218,6 +227,8 @@ class Scheduler:
             "timezone": config.timezone,
             "keep_runs": config.keep_runs,
             "prune_every": config.prune_every,
+            "heartbeat_every": config.heartbeat_every,
+            "shutdown_timeout": config.shutdown_timeout,
         }
         settings.update(options)
         return cls(registry, url, **settings)
@@ -272,6 +283,7 @@ class Scheduler:
                 )
             with self._wake_lock:
                 self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
+            self.heartbeat.start()
             aps.start()
             self._aps = aps
             queues = [name for name, job in self.jobs.items() if isinstance(job, QueueJob)]
@@ -326,6 +338,8 @@ class Scheduler:
             listener.stop()
         with self._wake_lock:
             pool, self._pool = self._pool, None
+        if aps is not None:
+            self.heartbeat.stop()
         return aps, pool
 
     def _shutdown_by(self, deadline: timedelta) -> bool:

@@ -93,6 +93,7 @@ td.wrap { white-space: normal; }
 .outcome.ran { background: var(--ran); } .outcome.failed { background: var(--failed); }
 tr.failing td { background: #fff5f5; }
 tr.error td { background: #fff5f5; padding-top: 0; }
+.outcome.paused { background: #f08c00; } tr.paused td { background: #fff9db; padding-top: 0; }
 .error pre, pre.error { white-space: pre-wrap; word-break: break-word; margin: 0;
   font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; color: #c92a2a; }
 .muted { color: #868e96; }
@@ -179,6 +180,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                     "td",
                     el("a", v.name, href=_job_href(base, v.name)),
                     None if v.registered else el("span", " (not registered)", class_="muted"),
+                    el("span", " paused", class_="outcome paused") if _paused(v) else None,
                 ),
                 el("td", v.kind),
                 el("td", v.group),
@@ -204,6 +206,8 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                 data_job=v.name,
             )
         )
+        if _paused(v):
+            rows.append(_paused_row(v, snap.now))
         if failing:
             sqlstate = v.state.get("last_sqlstate")
             rows.append(
@@ -241,6 +245,31 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
     if not rows:
         rows = [el("tr", el("td", "no jobs", colspan="10", class_="muted"))]
     return el("table", el("thead", head), el("tbody", rows), id="jobs")
+
+
+def _paused(view: JobView) -> bool:
+    return view.state.get("paused_at") is not None
+
+
+def _paused_row(view: JobView, now: datetime) -> Markup:
+    """``paused 5m ago by ops@host: reason`` under a paused job (pgjobs pause)."""
+    state = view.state
+    reason = state.get("paused_reason")
+    return el(
+        "tr",
+        el(
+            "td",
+            "paused ",
+            _when(state.get("paused_at"), now),
+            f" by {state.get('paused_by') or '?'}",
+            f": {reason}" if reason else "",
+            f"; pgjobs resume {view.name} resumes it",
+            colspan="10",
+            class_="wrap",
+        ),
+        class_="paused",
+        data_job=view.name,
+    )
 
 
 def _queues_table(snap: Snapshot, base: str) -> Markup:

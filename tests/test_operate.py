@@ -16,6 +16,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,210 @@ def test_a_shutdown_deadline_cancels_the_running_statement_and_rolls_back(
         ).first()
     assert [o for (o,) in outcomes] == ["cancelled"]
     assert state is None or state[0] == 0  # not a failure: no backoff
+
+
+# -- enqueue, pause, resume, revive ----------------------------------------------------
+QUEUE = """
+heartbeat_every = "500ms"
+
+[jobs.scores]
+kind = "queue"
+target = "item_score"
+scope = ["item_id"]
+sql = \"\"\"
+select i.id as item_id, g.n, i.factor * g.n / (case when i.broken then 0 else 1 end) as v
+from item i, generate_series(1, 3) as g(n) where i.id = any(:keys)
+\"\"\"
+every = "1s"
+max_attempts = 2
+item_backoff = "100ms"
+"""
+
+ITEMS = """
+create table item (id int primary key, factor int not null, broken bool not null default false);
+create table item_score (
+    item_id int not null references item on delete cascade,
+    n int not null,
+    v int not null,
+    primary key (item_id, n)
+);
+insert into item (id, factor) select g, g from generate_series(1, 9) g;
+"""
+
+
+@pytest.fixture
+def queue_config(engine: Engine, tmp_path: Path) -> Path:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(ITEMS)
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(QUEUE)
+    return config
+
+
+def scores(engine: Engine, item: int) -> int:
+    return int(scalar(engine, "select count(*) from item_score where item_id = :i", i=item))
+
+
+def queued(engine: Engine) -> list[tuple[Any, bool]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("select key, dead_at is not null from pgjobs.queue order by key")
+        ).all()
+    return [(key, dead) for key, dead in rows]
+
+
+def test_an_item_enqueued_from_the_cli_is_processed_by_the_running_scheduler(
+    engine: Engine, db_url: str, queue_config: Path, start: Callable[..., Run]
+) -> None:
+    start(queue_config)
+    result = invoke(db_url, "enqueue", "scores", "1", "2", "2", "-c", str(queue_config))
+    assert result.exit_code == 0, result.output
+    assert "2 item(s) enqueued (2 added, 0 revived); 0 pending already" in result.output
+    wait_until(lambda: scores(engine, 1) == 3 and scores(engine, 2) == 3, "items processed")
+    assert queued(engine) == []
+
+
+def test_enqueue_takes_json_keys_and_names_bad_input(
+    engine: Engine, db_url: str, queue_config: Path
+) -> None:
+    bad = invoke(db_url, "enqueue", "scores", "x", "-c", str(queue_config))
+    assert bad.exit_code == 2 and "'x' is not a value of item_score.item_id" in bad.output
+    bad = invoke(db_url, "enqueue", "scores", "--json", "[1, 2]", "-c", str(queue_config))
+    assert bad.exit_code == 2 and "expected 1 scope value(s) per key" in bad.output
+    good = invoke(
+        db_url, "enqueue", "scores", "--json", "[3]", '{"item_id": 4}', "-c", str(queue_config)
+    )
+    assert good.exit_code == 0 and "2 item(s) enqueued (2 added" in good.output, good.output
+    again = invoke(db_url, "enqueue", "scores", "3", "-c", str(queue_config))
+    assert "0 item(s) enqueued (0 added, 0 revived); 1 pending already" in again.output
+    # typed by the scope column: the application's int key and the CLI's text are one item
+    import pgjobs
+
+    with engine.begin() as conn:
+        assert pgjobs.enqueue(conn, "scores", [8]) == 1
+    same = invoke(db_url, "enqueue", "scores", "8", "-c", str(queue_config))
+    assert "1 pending already" in same.output, same.output
+    assert [key for key, _ in queued(engine)] == [[3], [4], [8]]
+
+
+def test_pause_is_honoured_at_the_next_tick_and_resume_drains_the_queue(
+    engine: Engine, db_url: str, queue_config: Path, start: Callable[..., Run]
+) -> None:
+    run = start(queue_config, "-v")
+    wait_until(lambda: "scores: idle" in run.stderr, "a first tick")
+    paused = invoke(db_url, "pause", "scores", "--reason", "backfill", "-c", str(queue_config))
+    assert paused.exit_code == 0 and "paused scores (backfill)" in paused.output, paused.output
+    ticks = run.stderr.count("scores: paused")
+    assert (
+        invoke(db_url, "enqueue", "scores", "1", "2", "3", "-c", str(queue_config)).exit_code == 0
+    )
+    # the tick that the enqueue woke (or the next poll) is paused: nothing processed
+    wait_until(lambda: run.stderr.count("scores: paused") > ticks, "a paused tick")
+    assert [key for key, _ in queued(engine)] == [[1], [2], [3]]
+    assert scalar(engine, "select count(*) from item_score") == 0
+    data = status(db_url, queue_config)
+    pause = job_row(data, "scores")["paused"]
+    assert pause["reason"] == "backfill" and pause["since"] and "@" in pause["by"], pause
+    text_status = invoke(db_url, "status", "-c", str(queue_config))
+    assert text_status.exit_code == 0  # paused is not failing
+    assert "scores: paused since" in text_status.output and "backfill" in text_status.output
+    page = StatusPage()(Source(engine=engine), Request(path="/")).body.decode()
+    assert "backfill" in page and "paused" in page
+    from pgjobs.metrics import Metrics
+
+    metrics = Metrics(cache_seconds=0).bind(Source(engine=engine)).exposition().decode()
+    assert 'pgjobs_job_paused{job="scores"} 1.0' in metrics
+    assert 'pgjobs_job_paused_since_timestamp_seconds{job="scores"}' in metrics
+    # once says so, and --force runs it anyway
+    once = invoke(db_url, "once", "scores", "-c", str(queue_config))
+    assert once.exit_code == 1 and "scores: paused since" in once.output, once.output
+    assert "--force runs this tick anyway" in once.output
+    assert scalar(engine, "select count(*) from item_score") == 0
+    # resume: the running scheduler drains what waited
+    resumed = invoke(db_url, "resume", "scores", "-c", str(queue_config))
+    assert resumed.exit_code == 0 and "resumed scores" in resumed.output, resumed.output
+    wait_until(lambda: queued(engine) == [], "the queue drained")
+    assert [scores(engine, i) for i in (1, 2, 3)] == [3, 3, 3]
+    assert job_row(status(db_url, queue_config), "scores")["paused"] is None
+    assert "was not paused" in invoke(db_url, "resume", "scores", "-c", str(queue_config)).output
+    forced_pause = invoke(db_url, "pause", "scores", "-c", str(queue_config))
+    assert forced_pause.exit_code == 0
+    invoke(db_url, "enqueue", "scores", "4", "-c", str(queue_config))
+    forced = invoke(db_url, "once", "scores", "--force", "-c", str(queue_config))
+    assert forced.exit_code == 0 and "scores: ran" in forced.output, forced.output
+    assert scores(engine, 4) == 3
+
+
+def test_a_dead_item_is_processed_again_after_its_fix_and_revive(
+    engine: Engine, db_url: str, queue_config: Path, start: Callable[..., Run]
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("update item set broken = true where id = 7"))
+    start(queue_config)
+    invoke(db_url, "enqueue", "scores", "6", "7", "-c", str(queue_config))
+    wait_until(lambda: queued(engine) == [([7], True)], "item 7 dead after max_attempts")
+    assert scores(engine, 6) == 3 and scores(engine, 7) == 0
+    assert scalar(engine, "select attempts from pgjobs.queue where key = '[7]'") == 2
+    # revive before the fix: it dies again; after the fix, it is processed
+    with engine.begin() as conn:
+        conn.execute(text("update item set broken = false where id = 7"))
+    revived = invoke(db_url, "revive", "scores", "-c", str(queue_config))
+    assert revived.exit_code == 0 and "revived 1 dead item(s)" in revived.output, revived.output
+    wait_until(lambda: scores(engine, 7) == 3, "item 7 processed after its revival")
+    assert queued(engine) == []
+    none = invoke(db_url, "revive", "scores", "7", "8", "-c", str(queue_config))
+    assert "revived 0 dead item(s); 2 of the keys given were not dead" in none.output, none.output
+
+
+# -- heartbeats ----------------------------------------------------------------------------
+def test_status_lists_live_schedulers_and_those_gone_quiet(
+    engine: Engine, db_url: str, queue_config: Path, start: Callable[..., Run]
+) -> None:
+    first, second = start(queue_config), start(queue_config)
+
+    def schedulers() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = status(db_url, queue_config)["schedulers"]
+        return found
+
+    wait_until(lambda: len(schedulers()) == 2, "both schedulers recorded")
+    data = status(db_url, queue_config)
+    now = datetime.fromisoformat(data["now"])
+    for entry in data["schedulers"]:
+        assert entry["live"] is True and entry["jobs"] == ["scores"], entry
+        assert now - datetime.fromisoformat(entry["last_seen"]) < timedelta(seconds=2), entry
+        assert entry["version"] and entry["host"]
+    pids = {entry["pid"] for entry in data["schedulers"]}
+    assert pids == {first.proc.pid, second.proc.pid}
+    from pgjobs.metrics import Metrics
+
+    def metric(state: str) -> float:
+        text_ = Metrics(cache_seconds=0).bind(Source(engine=engine)).exposition().decode()
+        (line,) = [
+            li
+            for li in text_.splitlines()
+            if li.startswith(f'pgjobs_schedulers{{state="{state}"}}')
+        ]
+        return float(line.split()[-1])
+
+    assert metric("live") == 2 and metric("quiet") == 0
+    # SIGKILL: no goodbye; gone quiet after 3 heartbeats of 500 ms (1.5 s)
+    first.stop(signal.SIGKILL)
+    killed = time.monotonic()
+
+    def quiet() -> dict[str, Any] | None:
+        for entry in schedulers():
+            if entry["pid"] == first.proc.pid and not entry["live"]:
+                return entry
+        return None
+
+    entry = wait_until(quiet, "the killed scheduler shown gone quiet", timeout=10)
+    assert time.monotonic() - killed < 1.5 + 2.0  # its last beat, plus 3 beats, plus slack
+    assert entry["quiet_seconds"] >= 1.5
+    (other,) = [e for e in schedulers() if e["pid"] == second.proc.pid]
+    assert other["live"] is True
+    assert metric("live") == 1 and metric("quiet") == 1
+    text_status = invoke(db_url, "status", "-c", str(queue_config)).output
+    assert "gone quiet" in text_status and "live" in text_status, text_status
+    # a clean stop deletes its own row
+    assert second.stop() == 0
+    assert [e["pid"] for e in schedulers()] == [first.proc.pid]
