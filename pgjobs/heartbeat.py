@@ -107,9 +107,9 @@ class Heartbeat:
             try:
                 self.beat()
             except Exception as exc:
-                # the scheduler says when the database is away; this says it once
+                # the scheduler's one line says when the database is away
                 if not self._failing:
-                    log.warning("pgjobs: heartbeat not recorded (%s)", first_line(exc))
+                    log.debug("pgjobs: heartbeat not recorded (%s)", first_line(exc))
                 self._failing = True
             else:
                 self._failing = False

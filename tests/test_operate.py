@@ -16,7 +16,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,7 @@ def test_a_shutdown_deadline_cancels_the_running_statement_and_rolls_back(
     began = time.monotonic()
     code = run.stop(signal.SIGTERM)
     took = time.monotonic() - began
+    print(f"SIGTERM to exit, --shutdown-timeout 2s: {took:.2f} s")
     assert code == 0, run.stderr
     assert took < 3.0, (took, run.stderr)
     assert scalar(engine, SLOW_QUERY) == 0  # the statement is gone from the server
@@ -455,3 +456,120 @@ def test_status_lists_live_schedulers_and_those_gone_quiet(
     # a clean stop deletes its own row
     assert second.stop() == 0
     assert [e["pid"] for e in schedulers()] == [first.proc.pid]
+
+
+# -- in process: Scheduler(shutdown_timeout=), lifespan, strict, per-job timezone --------
+def test_scheduler_shutdown_timeout_and_the_lifespan_cancel_a_long_statement(
+    engine: Engine,
+) -> None:
+    import asyncio
+    import threading
+
+    import pgjobs
+
+    with engine.begin() as conn:
+        conn.execute(text("create table written (id int primary key)"))
+    entered = threading.Event()
+
+    def slow(conn: Any) -> None:
+        conn.execute(text("insert into written (id) values (1)"))
+        entered.set()
+        conn.execute(text("select pg_sleep(30) /* pgjobs-test-slow */"))
+
+    job = pgjobs.TaskJob(name="slow", every="1h", run=slow)
+    scheduler = pgjobs.Scheduler([job], engine)
+    scheduler.start()
+    assert entered.wait(WAIT)
+    began = time.monotonic()
+    assert scheduler.shutdown(timeout="500ms") is True
+    assert time.monotonic() - began < 1.5
+    assert scalar(engine, SLOW_QUERY) == 0 and scalar(engine, "select count(*) from written") == 0
+
+    # the lifespan's equivalent: shutdown_timeout, passed on to the scheduler
+    entered.clear()
+
+    async def app() -> float:
+        async with pgjobs.lifespan(
+            pgjobs.Scheduler([job], engine, shutdown_timeout="500ms")
+        ) as state:
+            assert state["pgjobs"].shutdown_timeout.total_seconds() == 0.5
+            assert await asyncio.to_thread(entered.wait, WAIT)
+            began = time.monotonic()
+        return time.monotonic() - began
+
+    assert asyncio.run(app()) < 1.5
+    with engine.connect() as conn:
+        outcomes = [o for (o,) in conn.execute(text("select outcome from pgjobs.run")).all()]
+        failures = conn.execute(text("select failures from pgjobs.job_state")).scalars().all()
+    assert outcomes == ["cancelled", "cancelled"] and set(failures) <= {0}
+
+
+def test_a_scheduler_starts_beside_a_job_that_fails_its_check_unless_strict(
+    engine: Engine,
+) -> None:
+    import pgjobs
+
+    broken = pgjobs.RecomputeJob(name="broken", target="missing_table", compute="select 1")
+    fine = pgjobs.TaskJob(name="fine", every="1h", run=lambda conn: None)
+    with pgjobs.Scheduler([broken, fine], engine) as scheduler:
+        assert scheduler.preflight.failing == ["broken"]
+        wait_until(
+            lambda: scalar(engine, "select count(*) from pgjobs.run where job = 'fine'"), "fine ran"
+        )
+    error = scalar(engine, "select last_error from pgjobs.job_state where job = 'broken'")
+    assert error.startswith("pre-flight check: ") and "missing_table" in error
+    strict = pgjobs.Scheduler([broken, fine], engine, strict=True)
+    with pytest.raises(pgjobs.ConfigError, match="table 'missing_table' does not exist"):
+        strict.start()
+
+
+def test_a_cron_job_fires_in_its_own_time_zone(engine: Engine, tmp_path: Path) -> None:
+    import pgjobs
+    from pgjobs.config import load_config
+
+    paris = pgjobs.TaskJob(
+        name="paris", every=None, cron="0 3 * * *", timezone="Europe/Paris", run=lambda c: None
+    )
+    utc = pgjobs.TaskJob(name="utc", every=None, cron="0 3 * * *", run=lambda conn: None)
+    assert paris.schedule == "cron 0 3 * * * (Europe/Paris)"
+    scheduler = pgjobs.Scheduler([paris, utc], engine, timezone="UTC")
+    winter = datetime.fromisoformat("2026-01-10T12:00:00+00:00")
+    summer = datetime.fromisoformat("2026-07-10T12:00:00+00:00")
+    fire = {n: scheduler._triggers[n].get_next_fire_time for n in ("paris", "utc")}
+    assert fire["paris"](None, winter).astimezone(UTC).hour == 2  # CET = UTC+1
+    assert fire["paris"](None, summer).astimezone(UTC).hour == 1  # CEST = UTC+2
+    assert fire["utc"](None, winter).astimezone(UTC).hour == 3
+    with pytest.raises(pgjobs.ConfigError, match="timezone: expected an IANA time zone"):
+        pgjobs.TaskJob(name="x", every=None, cron="0 3 * * *", timezone="Mars/Olympus", run=print)
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(
+        'timezone = "UTC"\n[jobs.t]\nkind = "task"\nsql = "select 1"\ncron = "0 3 * * *"\n'
+        'timezone = "Asia/Tokyo"\n'
+    )
+    (declared,) = load_config(path).jobs
+    assert declared.timezone == "Asia/Tokyo"
+    path.write_text('[jobs.t]\nkind = "task"\nsql = "select 1"\ntimezone = "Nowhere"\n')
+    with pytest.raises(pgjobs.ConfigError, match=r"jobs\.t\.timezone"):
+        load_config(path)
+
+
+def test_a_tick_busy_outside_any_statement_is_left_to_its_thread(engine: Engine) -> None:
+    import threading
+
+    import pgjobs
+
+    entered, release = threading.Event(), threading.Event()
+
+    def busy(conn: Any) -> None:
+        entered.set()
+        release.wait(WAIT)  # Python, not a statement: nothing to cancel
+
+    scheduler = pgjobs.Scheduler([pgjobs.TaskJob(name="busy", every="1h", run=busy)], engine)
+    scheduler.start()
+    assert entered.wait(WAIT)
+    began = time.monotonic()
+    try:
+        assert scheduler.shutdown(timeout="200ms") is False
+        assert time.monotonic() - began < 0.2 + 0.8 + 0.5  # the deadline, the grace, slack
+    finally:
+        release.set()
