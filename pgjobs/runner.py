@@ -54,7 +54,7 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
-from .records import Failure, QuietTicks
+from .records import Failure, QuietTicks, cancelled, write_run
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -383,30 +383,13 @@ class _Tick:
         """The run a shutdown deadline cancelled: rolled back (by the caller),
         recorded ``cancelled`` in the run log; the job's state is left as it
         was: no failure, no backoff."""
-        result = RunResult(
-            job=self.job.name,
-            outcome=Outcome.CANCELLED,
-            started_at=self.started,
-            finished_at=self.runner.clock(),
-            error="cancelled by the shutdown deadline; rolled back",
-        )
+        result = cancelled(self.job.name, self.started, self.runner.clock())
         log.warning(
             "pgjobs: %s: cancelled by the shutdown deadline after %.1f s; rolled back",
             self.job.name,
             result.seconds,
         )
-        for conn in (self.conn, None):
-            try:
-                if conn is None or conn.invalidated:
-                    with self.runner.engine.connect() as other, other.begin():
-                        (recorded,) = send(other, self.store.run_query(result, self.runner.worker))
-                else:
-                    with conn.begin():
-                        (recorded,) = send(conn, self.store.run_query(result, self.runner.worker))
-                return replace(result, run_id=int(recorded.scalar()))
-            except Exception:
-                log.debug("pgjobs: %s: recording the cancel failed", self.job.name, exc_info=True)
-        return result
+        return write_run(self.runner.engine, self.conn, self.store, result, self.runner.worker)
 
     # -- steps 1 and 2 --------------------------------------------------------------
     def _due_and_work(self) -> RunResult | None:

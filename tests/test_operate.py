@@ -573,3 +573,52 @@ def test_a_tick_busy_outside_any_statement_is_left_to_its_thread(engine: Engine)
         assert time.monotonic() - began < 0.2 + 0.8 + 0.5  # the deadline, the grace, slack
     finally:
         release.set()
+
+
+def test_a_pause_committed_between_the_work_check_and_the_lock_stops_the_tick(
+    engine: Engine,
+) -> None:
+    """Two connections: the tick's (blocked in its work check, step 2, by an
+    event) and the operator's, whose pause commits meanwhile; the tick reads
+    the state again under the lock (step 3) and ends ``paused``, writing nothing."""
+    import threading
+
+    import pgjobs
+    from pgjobs.operate import pause, resume
+    from pgjobs.results import Outcome
+    from pgjobs.store import Store
+
+    with engine.begin() as conn:
+        conn.execute(text("create table written (id serial primary key)"))
+    entered, release = threading.Event(), threading.Event()
+
+    def has_work(conn: Any) -> bool:
+        entered.set()
+        assert release.wait(WAIT)
+        return True
+
+    def write(conn: Any) -> None:
+        conn.execute(text("insert into written default values"))
+
+    job = pgjobs.TaskJob(name="t", every="1h", has_work=has_work, run=write)
+    with pgjobs.Runner(engine) as runner:
+        runner.install()
+        results: list[Any] = []
+        tick = threading.Thread(target=lambda: results.append(runner.tick(job)))
+        tick.start()
+        assert entered.wait(WAIT)
+        pause(engine, Store(), job, reason="now")  # committed on another connection
+        release.set()
+        tick.join(WAIT)
+        (result,) = results
+        assert result.outcome is Outcome.PAUSED and result.detail["reason"] == "now"
+        assert scalar(engine, "select count(*) from written") == 0
+        # a forced tick does not pass a pause; run_paused does
+        entered.clear()
+        assert runner.tick(job, force=True).outcome is Outcome.PAUSED
+        assert runner.tick(job, run_paused=True).outcome is Outcome.RAN
+        resume(engine, Store(), job)
+        assert runner.tick(job, force=True).outcome is Outcome.RAN
+    # the paused ticks were counted in job_state, not logged in the run log
+    assert scalar(engine, "select paused_ticks from pgjobs.job_state where job = 't'") == 2
+    assert scalar(engine, "select count(*) from pgjobs.run where outcome = 'paused'") == 0
