@@ -272,6 +272,35 @@ def _paused_row(view: JobView, now: datetime) -> Markup:
     )
 
 
+def _schedulers_table(snap: Snapshot) -> Markup:
+    """The schedulers by their heartbeats: live, or gone quiet (docs/operate.md)."""
+    rows = [
+        el(
+            "tr",
+            el("td", f"{s['host']}:{s['pid']}"),
+            el("td", s["version"]),
+            el("td", _when(s["started_at"], snap.now)),
+            el("td", _when(s["last_seen"], snap.now)),
+            el(
+                "td",
+                el("span", "live", class_="outcome ran")
+                if s["live"]
+                else el("span", "gone quiet", class_="outcome failed"),
+            ),
+            el("td", ", ".join(s["jobs"]), class_="wrap"),
+            class_="scheduler",
+        )
+        for s in snap.schedulers
+    ]
+    if not rows:
+        rows = [el("tr", el("td", "none has recorded a heartbeat", colspan="6", class_="muted"))]
+    head = el(
+        "tr",
+        [el("th", h) for h in ("Scheduler", "Version", "Started", "Last seen", "State", "Jobs")],
+    )
+    return el("table", el("thead", head), el("tbody", rows), id="schedulers")
+
+
 def _queues_table(snap: Snapshot, base: str) -> Markup:
     queues = [v.queue for v in snap.jobs if v.queue is not None]
     known = {q.job for q in queues}
@@ -545,6 +574,8 @@ class StatusPage:
             body += [
                 el("h2", "Queues"),
                 _queues_table(snap, base),
+                el("h2", "Schedulers"),
+                _schedulers_table(snap),
                 el("h2", "Dead items"),
                 _dead_table(snap),
                 el("h2", "Recent runs"),

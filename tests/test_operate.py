@@ -453,6 +453,8 @@ def test_status_lists_live_schedulers_and_those_gone_quiet(
     assert metric("live") == 1 and metric("quiet") == 1
     text_status = invoke(db_url, "status", "-c", str(queue_config)).output
     assert "gone quiet" in text_status and "live" in text_status, text_status
+    page = StatusPage()(Source(engine=engine), Request(path="/")).body.decode()
+    assert f"{entry['host']}:{first.proc.pid}" in page and "gone quiet" in page
     # a clean stop deletes its own row
     assert second.stop() == 0
     assert [e["pid"] for e in schedulers()] == [first.proc.pid]
