@@ -323,6 +323,7 @@ class Scheduler:
         if pool is not None:
             pool.shutdown(wait=wait)
         aps.shutdown(wait=wait)
+        self.heartbeat.stop()  # after the ticks: a stopping scheduler is still alive
         if wait:
             self.runner.close()
         log.info("pgjobs: scheduler stopped")
@@ -338,8 +339,6 @@ class Scheduler:
             listener.stop()
         with self._wake_lock:
             pool, self._pool = self._pool, None
-        if aps is not None:
-            self.heartbeat.stop()
         return aps, pool
 
     def _shutdown_by(self, deadline: timedelta) -> bool:
@@ -353,6 +352,7 @@ class Scheduler:
             pool.shutdown(wait=False, cancel_futures=True)
         aps.shutdown(wait=False)
         done = self._flight.wait(deadline.total_seconds())
+        names: list[str] = []
         if not done:
             names = self.runner.cancel_running()
             log.warning(
@@ -365,7 +365,8 @@ class Scheduler:
             while not done and time.monotonic() < end:
                 done = self._flight.wait(min(0.1, max(0.0, end - time.monotonic())))
                 if not done:
-                    self.runner.cancel_running()
+                    names = self.runner.cancel_running()
+        self.heartbeat.stop()
         if done:
             self.runner.close()
             log.info("pgjobs: scheduler stopped")
@@ -373,7 +374,7 @@ class Scheduler:
             log.warning(
                 "pgjobs: scheduler stopped with tick(s) still running in %s (not in a statement"
                 " that could be cancelled); they end with the process",
-                ", ".join(self.runner.cancel_running()) or "their threads",
+                ", ".join(names) or "their threads",
             )
         return done
 
