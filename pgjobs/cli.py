@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import click
 
 from .config import Config, load_config
-from .durations import format_duration
+from .durations import format_duration, parse_duration
 from .errors import ConfigError, PgJobsError
 from .progress import Display
 from .registry import Registry
@@ -258,6 +258,12 @@ def run(
             from .metrics import Metrics
 
             metrics = Metrics(process=True)
+        # given, it wins over the config's shutdown_timeout
+        deadline = {}
+        if shutdown_timeout is not None:
+            deadline["shutdown_timeout"] = parse_duration(
+                shutdown_timeout, field="--shutdown-timeout"
+            )
         config, registry, url = _load(config_path, database)
         if not registry.jobs(enabled_only=True):
             raise ConfigError(
@@ -270,8 +276,8 @@ def run(
             registry=registry,
             check=not no_check,
             strict=strict,
-            shutdown_timeout=shutdown_timeout,
             on_result=_tracing(),
+            **deadline,
         )
         if metrics is not None:
             metrics.bind(scheduler)  # before the first tick: every tick is counted

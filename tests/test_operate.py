@@ -624,3 +624,27 @@ def test_a_pause_committed_between_the_work_check_and_the_lock_stops_the_tick(
     # the paused ticks were counted in job_state, not logged in the run log
     assert scalar(engine, "select paused_ticks from pgjobs.job_state where job = 't'") == 2
     assert scalar(engine, "select count(*) from pgjobs.run where outcome = 'paused'") == 0
+
+
+def test_the_configs_shutdown_timeout_and_heartbeat_every(
+    engine: Engine, db_url: str, tmp_path: Path
+) -> None:
+    import pgjobs
+    from pgjobs.config import load_config
+
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(
+        'shutdown_timeout = "3s"\nheartbeat_every = "2s"\n'
+        '[jobs.t]\nkind = "task"\nsql = "select 1"\n'
+    )
+    scheduler = pgjobs.Scheduler.from_config(path, database=engine)
+    assert scheduler.shutdown_timeout == timedelta(seconds=3)
+    assert scheduler.heartbeat.every == timedelta(seconds=2)
+    assert pgjobs.Scheduler.from_config(
+        path, database=engine, shutdown_timeout="1s"
+    ).shutdown_timeout == timedelta(seconds=1)
+    bad = invoke(db_url, "run", "--shutdown-timeout", "soon", "-c", str(path))
+    assert bad.exit_code == 2 and "--shutdown-timeout" in bad.output, bad.output
+    path.write_text('heartbeat_every = "0s"\n')
+    with pytest.raises(pgjobs.ConfigError, match="heartbeat_every: must be positive"):
+        load_config(path)
