@@ -106,10 +106,11 @@ class Scheduler:
     that fails makes :meth:`start` raise, before anything is written.
     ``shutdown_timeout``: the default deadline of :meth:`shutdown` (``None``:
     wait as long as the running ticks take). ``heartbeat_every``: how often
-    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`). ``on_result`` is called with every tick's
-    :class:`~pgjobs.RunResult`, from the worker thread. ``listen``: wake queue
-    jobs on enqueue (default: yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says
-    a transaction pooler is in the way).
+    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`).
+    ``on_result`` is called with every tick's :class:`~pgjobs.RunResult`,
+    from the worker thread. ``listen``: wake queue jobs on enqueue (default:
+    yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says a transaction pooler is
+    in the way).
 
     >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
     ...     wait_for_shutdown()
@@ -254,6 +255,7 @@ class Scheduler:
             self.runner.install()
             if self.check and not self.strict:
                 self.preflight.check(self.registry.entry(n) for n in self.jobs)
+            self.heartbeat.start()
             self._stopping.clear()
             aps = BackgroundScheduler(
                 timezone=self.timezone,
@@ -283,7 +285,6 @@ class Scheduler:
                 )
             with self._wake_lock:
                 self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
-            self.heartbeat.start()
             aps.start()
             self._aps = aps
             queues = [name for name, job in self.jobs.items() if isinstance(job, QueueJob)]
