@@ -609,12 +609,17 @@ def test_a_pause_committed_between_the_work_check_and_the_lock_stops_the_tick(
         tick = threading.Thread(target=lambda: results.append(runner.tick(job)))
         tick.start()
         assert entered.wait(WAIT)
-        pause(engine, Store(), job, reason="now")  # committed on another connection
+        first, new = pause(engine, Store(), job, reason="now")  # another connection
+        assert new
         release.set()
         tick.join(WAIT)
         (result,) = results
         assert result.outcome is Outcome.PAUSED and result.detail["reason"] == "now"
+        assert result.detail["paused_at"] == first.since
         assert scalar(engine, "select count(*) from written") == 0
+        # pausing a paused job keeps its since, takes the new reason
+        again, new = pause(engine, Store(), job, reason="later")
+        assert not new and again.since == first.since and again.reason == "later"
         # a forced tick does not pass a pause; run_paused does
         entered.clear()
         assert runner.tick(job, force=True).outcome is Outcome.PAUSED
