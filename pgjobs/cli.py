@@ -258,27 +258,14 @@ def run(
             from .metrics import Metrics
 
             metrics = Metrics(process=True)
-        # given, it wins over the config's shutdown_timeout
-        deadline = {}
-        if shutdown_timeout is not None:
-            deadline["shutdown_timeout"] = parse_duration(
-                shutdown_timeout, field="--shutdown-timeout"
-            )
+        options = _run_options(no_check=no_check, strict=strict, shutdown_timeout=shutdown_timeout)
         config, registry, url = _load(config_path, database)
         if not registry.jobs(enabled_only=True):
             raise ConfigError(
                 "no enabled jobs: install a plugin package, list modules under plugins = [...] "
                 f"or declare jobs in {config.path or 'pgjobs.toml'}"
             )
-        scheduler = Scheduler.from_config(
-            config,
-            database=url,
-            registry=registry,
-            check=not no_check,
-            strict=strict,
-            on_result=_tracing(),
-            **deadline,
-        )
+        scheduler = Scheduler.from_config(config, database=url, registry=registry, **options)
         if metrics is not None:
             metrics.bind(scheduler)  # before the first tick: every tick is counted
         stop = threading.Event()
@@ -312,11 +299,18 @@ def run(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
-        # A tick past the deadline busy outside any statement would keep the
-        # interpreter from exiting: main() exits without waiting for it.
-        _STOPPED.set()
+        _STOPPED.set()  # main() exits without waiting (see there)
         if not ended:
             log.warning("pgjobs: exiting with a tick still running; PostgreSQL rolls it back")
+
+
+def _run_options(*, no_check: bool, strict: bool, shutdown_timeout: str | None) -> dict[str, Any]:
+    """The scheduler's options from ``run``'s flags; --shutdown-timeout, when
+    given, wins over the config's ``shutdown_timeout``."""
+    options: dict[str, Any] = {"check": not no_check, "strict": strict, "on_result": _tracing()}
+    if shutdown_timeout is not None:
+        options["shutdown_timeout"] = parse_duration(shutdown_timeout, field="--shutdown-timeout")
+    return options
 
 
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:

@@ -28,6 +28,8 @@ from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
 from ._pg import driver, execute, first_line, send, set_local
+from .durations import Duration, parse_duration
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,11 @@ class Heartbeat:
     """A scheduler's heartbeat: :meth:`start` records it and beats every
     ``every``; :meth:`stop` ends it and deletes the row."""
 
-    def __init__(self, engine: Engine, schema: str, jobs: Sequence[str], every: timedelta) -> None:
+    def __init__(self, engine: Engine, schema: str, jobs: Sequence[str], every: Duration) -> None:
         self.engine = engine
-        self.every = every
+        self.every = parse_duration(every, field="heartbeat_every")
+        if self.every <= timedelta(0):
+            raise ConfigError(f"heartbeat_every: must be positive, got {every!r}")
         self.table = sql.Identifier(schema, "scheduler")
         self.id = uuid.uuid4().hex
         self.params: dict[str, Any] = {
@@ -61,7 +65,7 @@ class Heartbeat:
             "pid": os.getpid(),
             "version": version(),
             "jobs": list(jobs),
-            "ms": max(1, int(every.total_seconds() * 1000)),
+            "ms": max(1, int(self.every.total_seconds() * 1000)),
             "prune": PRUNE_AFTER,
         }
         self._stop = threading.Event()

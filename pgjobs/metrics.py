@@ -351,6 +351,16 @@ class _DatabaseCollector(Collector):
             self._cached = (time.monotonic(), rows)
             return rows
 
+    def _schedulers_family(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(
+            "pgjobs_schedulers",
+            "Schedulers on the database by heartbeat: live, or quiet (not seen for 3 heartbeats).",
+            labels=["state"],
+        )
+        family.add_metric(["live"], self.schedulers[0])
+        family.add_metric(["quiet"], self.schedulers[1])
+        return family
+
     def collect(self) -> Iterator[Metric]:
         source = self.source
         if source is None:
@@ -364,14 +374,7 @@ class _DatabaseCollector(Collector):
         yield up
         if rows is None:
             return
-        schedulers = GaugeMetricFamily(
-            "pgjobs_schedulers",
-            "Schedulers on the database by heartbeat: live, or quiet (not seen for 3 heartbeats).",
-            labels=["state"],
-        )
-        schedulers.add_metric(["live"], self.schedulers[0])
-        schedulers.add_metric(["quiet"], self.schedulers[1])
-        yield schedulers
+        yield self._schedulers_family()
         by_job = {r.job: r for r in rows}
         # jobs of the built-in queue: every known one (an empty queue is 0),
         # and any other job the table holds items for

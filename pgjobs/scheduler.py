@@ -157,11 +157,8 @@ class Scheduler:
         #: the jobs that failed their pre-flight check, set aside
         self.preflight = Preflight(self.runner)
         self._flight = _InFlight()
-        every = parse_duration(heartbeat_every, field="heartbeat_every")
-        if every <= timedelta(0):
-            raise ConfigError(f"heartbeat_every: must be positive, got {heartbeat_every!r}")
         #: this scheduler's row in pgjobs.scheduler, while it runs
-        self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), every)
+        self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), heartbeat_every)
         self._triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
