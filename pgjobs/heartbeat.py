@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 QUIET_BEATS = 3
 #: rows of schedulers quiet for longer than this are deleted
 PRUNE_AFTER = timedelta(hours=1)
-_SETTINGS = {"statement_timeout": "2000ms", "lock_timeout": "1000ms"}
+#: bounded; and no wait for the WAL's flush: a heartbeat lost in a crash is
+#: harmless (the next one comes in seconds)
+_SETTINGS = {"statement_timeout": "2000ms", "lock_timeout": "1000ms", "synchronous_commit": "off"}
 
 
 def version() -> str:
