@@ -393,7 +393,20 @@ def test_a_dead_item_is_processed_again_after_its_fix_and_revive(
     wait_until(lambda: queued(engine) == [([7], True)], "item 7 dead after max_attempts")
     assert scores(engine, 6) == 3 and scores(engine, 7) == 0
     assert scalar(engine, "select attempts from pgjobs.queue where key = '[7]'") == 2
-    # revive before the fix: it dies again; after the fix, it is processed
+    # revived before its fix, it dies again (attempts reset, then max_attempts again)
+    dead_at = scalar(engine, "select dead_at from pgjobs.queue where key = '[7]'")
+    assert (
+        "revived 1 dead item(s)"
+        in invoke(db_url, "revive", "scores", "7", "-c", str(queue_config)).output
+    )
+    wait_until(
+        lambda: scalar(
+            engine, "select dead_at > :d from pgjobs.queue where key = '[7]'", d=dead_at
+        ),
+        "item 7 dead again",
+    )
+    assert scores(engine, 7) == 0
+    # fixed, then revived: processed
     with engine.begin() as conn:
         conn.execute(text("update item set broken = false where id = 7"))
     revived = invoke(db_url, "revive", "scores", "-c", str(queue_config))
