@@ -588,6 +588,10 @@ def test_a_tick_busy_outside_any_statement_is_left_to_its_thread(engine: Engine)
         assert time.monotonic() - began < 0.2 + 0.8 + 0.5  # the deadline, the grace, slack
     finally:
         release.set()
+    # the tick goes on in its thread, and ends: its connection goes back to the pool
+    assert scheduler._flight.wait(WAIT)
+    scheduler.runner.close()
+    assert scalar(engine, "select outcome from pgjobs.run where job = 'busy'") == "ran"
 
 
 def test_a_pause_committed_between_the_work_check_and_the_lock_stops_the_tick(
