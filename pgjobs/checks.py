@@ -3,7 +3,9 @@
 :func:`check_jobs` reflects what the diff writer will reflect, checks a
 queue job's scope columns and plans a recompute's SQL text (``LIMIT 0``),
 in read-only transactions that are rolled back. ``pgjobs run`` and ``pgjobs
-once`` call it; :class:`~pgjobs.Scheduler` does at :meth:`start`. Errors
+once`` call it; :class:`~pgjobs.Scheduler` does at :meth:`start` (job by
+job with :func:`check_each`, unless ``strict``: a job that fails is set
+aside, see :mod:`pgjobs.preflight`). Errors
 name the job's config key or its plugin (:class:`~pgjobs.registry.Registered`).
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import sqlstate_of
+from ._pg import connection_lost, sqlstate_of
 from .errors import ConfigError
 from .jobs import QueueJob, RecomputeJob
 from .registry import Registered
@@ -35,14 +37,38 @@ def check_jobs(engine: Engine, entries: Iterable[Registered]) -> None:
         return
     with engine.connect() as conn:
         for entry in wanted:
-            trans = conn.begin()
+            _check_one(conn, entry)
+
+
+def check_each(engine: Engine, entries: Iterable[Registered]) -> dict[str, Exception]:
+    """:func:`check_jobs`, job by job, without stopping at the first that
+    fails: what each failing job's check raised, by job name (a
+    :class:`ConfigError` naming its config key or plugin, or the database's
+    error about that job). A database that cannot be reached raises."""
+    wanted = [e for e in entries if isinstance(e.job, RecomputeJob | QueueJob)]
+    failed: dict[str, Exception] = {}
+    if not wanted:
+        return failed
+    with engine.connect() as conn:
+        for entry in wanted:
             try:
-                conn.exec_driver_sql("set transaction read only")
-                conn.exec_driver_sql("set local statement_timeout = '15s'")
-                conn.exec_driver_sql("set local lock_timeout = '5s'")
-                _check_job(conn, entry)
-            finally:
-                trans.rollback()
+                _check_one(conn, entry)
+            except Exception as exc:
+                if connection_lost(exc):
+                    raise
+                failed[entry.job.name] = exc
+    return failed
+
+
+def _check_one(conn: Connection, entry: Registered) -> None:
+    trans = conn.begin()
+    try:
+        conn.exec_driver_sql("set transaction read only")
+        conn.exec_driver_sql("set local statement_timeout = '15s'")
+        conn.exec_driver_sql("set local lock_timeout = '5s'")
+        _check_job(conn, entry)
+    finally:
+        trans.rollback()
 
 
 def _check_job(conn: Connection, entry: Registered) -> None:
@@ -80,4 +106,4 @@ def _check_job(conn: Connection, entry: Registered) -> None:
             ) from exc
 
 
-__all__ = ["check_jobs"]
+__all__ = ["check_each", "check_jobs"]

@@ -6,6 +6,8 @@
     pgjobs once JOB         run one tick of JOB now, showing its phases and progress
     pgjobs list             jobs, owner plugins, kinds, groups and schedules
     pgjobs status           last outcome, next attempt, failures, rows changed, queue depth
+    pgjobs pause JOB        pause JOB on every scheduler (``resume JOB`` resumes it)
+    pgjobs enqueue JOB KEY  add items to JOB's queue (``revive JOB`` brings dead ones back)
     pgjobs demo             the demonstration (see ``pgjobs demo --help``)
 
 Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
@@ -22,6 +24,7 @@ on the database inside the job is a failed job: 1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -38,7 +41,7 @@ from typing import Any, TypeVar
 import click
 
 from .config import Config, load_config
-from .durations import format_duration
+from .durations import format_duration, parse_duration
 from .errors import ConfigError, PgJobsError
 from .progress import Display
 from .registry import Registry
@@ -209,6 +212,19 @@ def cli(config_path: str | None, database: str | None) -> None:
     help="Serve Prometheus metrics at /metrics on HOST:PORT (needs pgjobs-derived[metrics]); may be"
     " the --http address.",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Refuse to start when a job fails its check against the database (by default that job is"
+    " shown failing, backed off and checked again, while the others run).",
+)
+@click.option(
+    "--shutdown-timeout",
+    metavar="DURATION",
+    default=None,
+    help="On SIGTERM/SIGINT, wait at most this long (e.g. 30s) for running jobs, then cancel their"
+    " statements on the server and roll back (recorded 'cancelled', no backoff). Default: wait.",
+)
 def run(
     config_path: str | None,
     database: str | None,
@@ -218,11 +234,14 @@ def run(
     exit_if_unreachable: bool,
     http_address: str | None,
     metrics_address: str | None,
+    strict: bool,
+    shutdown_timeout: str | None,
 ) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT.
 
     The first signal stops firing and waits for the running transactions to
-    commit or roll back; a second one exits at once (PostgreSQL rolls back).
+    commit or roll back (at most --shutdown-timeout, then their statements
+    are cancelled); a second one exits at once (PostgreSQL rolls back).
     A database that cannot be reached at start is waited for (one line says
     so), unless --exit-if-unreachable; one that goes away later is too.
     """
@@ -239,19 +258,14 @@ def run(
             from .metrics import Metrics
 
             metrics = Metrics(process=True)
+        options = _run_options(no_check=no_check, strict=strict, shutdown_timeout=shutdown_timeout)
         config, registry, url = _load(config_path, database)
         if not registry.jobs(enabled_only=True):
             raise ConfigError(
                 "no enabled jobs: install a plugin package, list modules under plugins = [...] "
                 f"or declare jobs in {config.path or 'pgjobs.toml'}"
             )
-        scheduler = Scheduler.from_config(
-            config,
-            database=url,
-            registry=registry,
-            check=not no_check,
-            on_result=_tracing(),
-        )
+        scheduler = Scheduler.from_config(config, database=url, registry=registry, **options)
         if metrics is not None:
             metrics.bind(scheduler)  # before the first tick: every tick is counted
         stop = threading.Event()
@@ -281,10 +295,22 @@ def run(
         finally:
             for server in servers:
                 server.close()
-            scheduler.shutdown(wait=True)
+            ended = scheduler.shutdown(wait=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         click.echo("pgjobs: stopped", err=True)
+        _STOPPED.set()  # main() exits without waiting (see there)
+        if not ended:
+            log.warning("pgjobs: exiting with a tick still running; PostgreSQL rolls it back")
+
+
+def _run_options(*, no_check: bool, strict: bool, shutdown_timeout: str | None) -> dict[str, Any]:
+    """The scheduler's options from ``run``'s flags; --shutdown-timeout, when
+    given, wins over the config's ``shutdown_timeout``."""
+    options: dict[str, Any] = {"check": not no_check, "strict": strict, "on_result": _tracing()}
+    if shutdown_timeout is not None:
+        options["shutdown_timeout"] = parse_duration(shutdown_timeout, field="--shutdown-timeout")
+    return options
 
 
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
@@ -401,6 +427,10 @@ def _summary(result: RunResult) -> str:
         return f"{head}: another transaction holds the group lock; nothing was done"
     if result.outcome is Outcome.IDLE:
         return f"{head}: nothing to do (has_work said no)"
+    if result.outcome is Outcome.PAUSED:
+        from .operate import paused_line
+
+        return paused_line(result)
     return head
 
 
@@ -410,6 +440,7 @@ def _summary(result: RunResult) -> str:
 @_verbosity
 @click.option("--json", "as_json", is_flag=True, help="Print the RunResult as JSON.")
 @click.option("--no-check", is_flag=True, help="Skip checking the job against the database first.")
+@click.option("--force", is_flag=True, help="Run the tick even if the job is paused.")
 def once(
     job: str,
     config_path: str | None,
@@ -417,11 +448,13 @@ def once(
     verbose: int,
     as_json: bool,
     no_check: bool,
+    force: bool,
 ) -> None:
     """Run one tick of JOB now, forced: its schedule and backoff are ignored
     (a job that is not due, or backing off after a failure, runs anyway),
-    never its group lock (busy: exit 1). pgjobs.run_once() is not forced by
-    default: it honours both, as the scheduler does.
+    never its group lock (busy: exit 1), nor a pause (``pgjobs pause``: exit
+    1; --force runs it anyway). pgjobs.run_once() is not forced by default:
+    it honours all of them, as the scheduler does.
 
     Phases and progress go to stderr (redrawn in place on a terminal, a line
     per phase otherwise); the outcome to stdout. Exit 1 if the tick failed or
@@ -442,12 +475,12 @@ def once(
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
             with Display(job, sys.stderr) as progress:
-                result = runner.tick(target, force=True, progress=progress)
+                result = runner.tick(target, force=True, run_paused=force, progress=progress)
         if as_json:
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY):
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.PAUSED):
             sys.exit(EXIT_FAILED)
 
 
@@ -591,21 +624,26 @@ def _until(when: datetime | None, now: datetime) -> str:
 
 def _status(
     registry: Registry, config: Config, url: str | None
-) -> tuple[list[dict[str, Any]], datetime]:
+) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]]]:
     """Every job's row of ``pgjobs status``: registered jobs first, then jobs
-    that are no longer registered but still have a state."""
+    that are no longer registered but still have a state; and the schedulers'
+    heartbeats."""
     from .database import resolve_engine
+    from .heartbeat import read_schedulers
+    from .operate import paused_of
     from .queue import queue_stats
     from .store import Store
 
     engine, owned = resolve_engine(url)
     queues: dict[str, Any] | None = None
+    schedulers: list[dict[str, Any]] = []
     try:
         with engine.connect() as conn, conn.begin():
             # Reading must not install pgjobs' tables: status writes nothing.
             read = Store(config.schema).status(conn)
             if read.installed:
                 queues = {q.job: _jsonable(q) for q in queue_stats(conn, schema=config.schema)}
+                schedulers = read_schedulers(conn, config.schema)
     finally:
         if owned:
             engine.dispose()
@@ -631,9 +669,10 @@ def _status(
                 "last_sqlstate": state.get("last_sqlstate"),
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
+                "paused": paused_of(state),
             }
         )
-    return rows, read.now
+    return rows, read.now, schedulers
 
 
 @cli.command()
@@ -646,9 +685,10 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
     """
     with _errors():
         config, registry, url = _load(config_path, database)
-        rows, now = _status(registry, config, url)
+        rows, now, schedulers = _status(registry, config, url)
         if as_json:
-            click.echo(json.dumps(_jsonable({"now": now, "jobs": rows}), indent=2))
+            data = {"now": now, "jobs": rows, "schedulers": schedulers}
+            click.echo(json.dumps(_jsonable(data), indent=2))
         else:
             table = []
             for r in rows:
@@ -693,8 +733,80 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                     click.echo(
                         f"\n{r['job']}: failing ({r['failures']:,}x){state}: {r['last_error']}"
                     )
+                if r["paused"]:
+                    paused = r["paused"]
+                    why = f": {paused['reason']}" if paused["reason"] else ""
+                    since = f"{paused['since']:%Y-%m-%d %H:%M:%S %Z}"
+                    click.echo(f"\n{r['job']}: paused since {since} by {paused['by']}{why}")
+            if schedulers:  # their heartbeats (pgjobs.heartbeat)
+                from .operate import schedulers_table
+
+                click.echo("\n" + schedulers_table(schedulers, now))
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
+
+
+# -- pause, resume, enqueue, revive (their work and words: pgjobs.operate) ------------
+@cli.command()
+@click.argument("job")
+@click.option("--reason", metavar="TEXT", default=None, help="Why, shown by status and the page.")
+@_common
+def pause(job: str, reason: str | None, config_path: str | None, database: str | None) -> None:
+    """Pause JOB on every scheduler of the database, from its next tick.
+
+    Its ticks end 'paused' (counted, not logged); queue items keep
+    accumulating. `pgjobs resume JOB` resumes it."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).pause(job, reason=reason))
+
+
+@cli.command()
+@click.argument("job")
+@_common
+def resume(job: str, config_path: str | None, database: str | None) -> None:
+    """Resume JOB, paused by `pgjobs pause`; a queue job drains what waited."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).resume(job))
+
+
+@cli.command(name="enqueue")
+@click.argument("job")
+@click.argument("keys", nargs=-1, required=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help='Each KEY is JSON: [7, "b"] or {"a": 7, "b": "b"}.'
+)
+@_common
+def enqueue_items(
+    job: str, keys: tuple[str, ...], as_json: bool, config_path: str | None, database: str | None
+) -> None:
+    """Add KEYs to queue job JOB's queue, in one transaction (a dead item is revived).
+
+    A KEY is the scope column's value as text (typed by the column); for a
+    composite scope, give each as JSON with --json."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).enqueue(job, keys, as_json=as_json))
+
+
+@cli.command()
+@click.argument("job")
+@click.argument("keys", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Each KEY is JSON (as for enqueue).")
+@_common
+def revive(
+    job: str, keys: tuple[str, ...], as_json: bool, config_path: str | None, database: str | None
+) -> None:
+    """Put JOB's dead queue items back: due now, attempts reset; all of them
+    when no KEY is given."""
+    from .operate import Operator
+
+    with _errors():
+        click.echo(Operator(*_load(config_path, database)).revive(job, keys, as_json=as_json))
 
 
 # -- demo ----------------------------------------------------------------------------
@@ -741,9 +853,27 @@ def demo(**options: Any) -> None:
     sys.exit(run_demo(**options))
 
 
+#: set by ``run`` once its scheduler has stopped and everything is written
+_STOPPED = threading.Event()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """The ``pgjobs`` console script."""
-    cli.main(args=list(argv) if argv is not None else None, prog_name="pgjobs")
+    """The ``pgjobs`` console script.
+
+    Once ``pgjobs run`` has stopped, the process runs its exit handlers
+    (logging, trace exporters) and ends, without the interpreter's teardown
+    of its modules: that took 0.6 to 1 s on a loaded machine, a third of a
+    ``--shutdown-timeout 2s`` budget, to free memory the system frees anyway."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name="pgjobs")
+    except SystemExit as exc:
+        if not _STOPPED.is_set():
+            raise
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from .jobs import (
     check_name,
     check_table,
     check_text,
+    check_timezone,
 )
 from .locking import DEFAULT_NAMESPACE
 from .results import DiffStats
@@ -82,6 +83,8 @@ _TOP_KEYS = (
     "timezone",
     "keep_runs",
     "prune_every",
+    "heartbeat_every",
+    "shutdown_timeout",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -92,6 +95,7 @@ _DIFF_KINDS = ("recompute", "queue")
 SETTINGS: dict[str, tuple[str, ...]] = {
     "every": _KINDS,
     "cron": _KINDS,
+    "timezone": _KINDS,
     "group": _KINDS,
     "backoff": _KINDS,
     "lock_timeout": _KINDS,
@@ -140,6 +144,7 @@ class JobOverride:
 
     every: timedelta | None = None
     cron: str | None = None
+    timezone: str | None = None
     group: str | None = None
     backoff: Backoff | None = None
     lock_timeout: timedelta | None = None
@@ -213,6 +218,11 @@ class Config:
     #: run records older than this are pruned by the scheduler
     keep_runs: timedelta = timedelta(days=7)
     prune_every: timedelta = timedelta(hours=1)
+    #: how often each scheduler records its heartbeat (docs/operate.md)
+    heartbeat_every: timedelta = timedelta(seconds=5)
+    #: how long a stopping scheduler waits for running ticks before it
+    #: cancels them; ``None``: as long as they take
+    shutdown_timeout: timedelta | None = None
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -236,10 +246,11 @@ class Config:
                 parse_duration(getattr(self, name), field=name)
             except ConfigError as exc:
                 raise ConfigError(f"{self.source}: {exc}") from None
-        if self.prune_every <= timedelta(0):
-            raise ConfigError(
-                f"{self.source}: prune_every: must be positive, got {self.prune_every!r}"
-            )
+        for name in ("prune_every", "heartbeat_every"):
+            if getattr(self, name) <= timedelta(0):
+                raise ConfigError(
+                    f"{self.source}: {name}: must be positive, got {getattr(self, name)!r}"
+                )
 
     @property
     def source(self) -> str:
@@ -404,6 +415,8 @@ class _Parser:
             return self.model(lambda: parse_timeout(value, field=key))
         if name == "cron":
             return self.model(lambda: check_cron(value, key))
+        if name == "timezone":
+            return self.model(lambda: check_timezone(value, key))
         if name == "group":
             return self.model(lambda: check_name(value, key))
         if name == "description":
@@ -445,7 +458,7 @@ class _Parser:
             if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
                 raise self.fail("plugins", "expected a list of module names", plugins)
             fields["plugins"] = tuple(plugins)
-        for name in ("keep_runs", "prune_every"):
+        for name in ("keep_runs", "prune_every", "heartbeat_every", "shutdown_timeout"):
             if name in data:
                 fields[name] = self.duration(data[name], name)
         jobs = data.get("jobs", {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zoneinfo
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -213,6 +214,18 @@ def _cron_field(text: str, name: str, low: int, high: int, names: tuple[str, ...
     return values
 
 
+def check_timezone(value: object, field: str) -> str:
+    """An IANA time zone name (``"Europe/Paris"``, ``"UTC"``)."""
+    text = check_text(value, field, what="an IANA time zone such as 'UTC' or 'Europe/Paris'")
+    try:
+        zoneinfo.ZoneInfo(text)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
+        raise ConfigError(
+            f"{field}: expected an IANA time zone such as 'UTC' or 'Europe/Paris', got {value!r}"
+        ) from exc
+    return text
+
+
 def check_cron(value: object, field: str) -> str:
     """A crontab expression: minute, hour, day of month, month, day of week
     (APScheduler 3's numbering: 0 is Monday; names ``mon``-``sun`` are clearer).
@@ -301,6 +314,9 @@ class Job:
     every: Duration | None = "60s"
     #: a crontab expression ("*/5 * * * *") instead of ``every``
     cron: str | None = None
+    #: the IANA time zone ``cron`` is read in ("Europe/Paris"); ``None``: the
+    #: scheduler's (``timezone`` in ``pgjobs.toml``, UTC by default)
+    timezone: str | None = None
     #: ``conn -> bool``, asked before the lock is taken; ``None`` means "always"
     has_work: Callable[[Connection], bool] | None = None
     #: wait after a failure, persisted so that every replica honours it
@@ -341,6 +357,10 @@ class Job:
             object.__setattr__(self, "every", every)
         if self.cron is not None:
             object.__setattr__(self, "cron", check_cron(self.cron, f"{where}: cron"))
+        if self.timezone is not None:
+            object.__setattr__(
+                self, "timezone", check_timezone(self.timezone, f"{where}: timezone")
+            )
         object.__setattr__(self, "backoff", Backoff.coerce(self.backoff, field=f"{where}: backoff"))
         for name in ("lock_timeout", "statement_timeout"):
             object.__setattr__(
@@ -381,7 +401,7 @@ class Job:
         """Human-readable schedule: ``every 60s`` or ``cron */5 * * * *``."""
         if self.interval is not None:
             return f"every {format_duration(self.interval)}"
-        return f"cron {self.cron}"
+        return f"cron {self.cron}" + (f" ({self.timezone})" if self.timezone else "")
 
     def replace(self, **changes: Any) -> Job:
         """A copy with ``changes`` applied and validated again."""

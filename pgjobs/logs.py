@@ -133,6 +133,7 @@ def quiet_line(result: RunResult) -> str:
         Outcome.BUSY: "busy (another transaction holds the group lock)",
         Outcome.NOT_DUE: f"not due until {_when(result.next_attempt_at)}",
         Outcome.BACKING_OFF: f"backing off until {_when(result.next_attempt_at)}",
+        Outcome.PAUSED: f"paused (pgjobs resume {result.job} resumes it)",
     }.get(result.outcome, str(result.outcome))
     return f"{result.job}: {why}"
 

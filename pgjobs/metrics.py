@@ -8,7 +8,8 @@ Two kinds of figures:
 
   ==========================================  ===================================
   ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed, idle,
-                                              busy, not_due, backing_off
+                                              busy, not_due, backing_off, paused,
+                                              cancelled
   ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
   ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
                                               lock to the end of the writes)
@@ -27,12 +28,14 @@ Two kinds of figures:
   ``pgjobs_queue_depth``, ``pgjobs_queue_due``, ``pgjobs_queue_retrying``,
   ``pgjobs_queue_dead``, ``pgjobs_queue_oldest_due_age_seconds``,
   ``pgjobs_job_failures`` (consecutive), ``pgjobs_job_backing_off`` (0/1),
-  ``pgjobs_job_last_success_timestamp_seconds``, all by ``job``;
+  ``pgjobs_job_last_success_timestamp_seconds``, ``pgjobs_job_paused``
+  (0/1), ``pgjobs_job_paused_since_timestamp_seconds``, all by ``job``;
   the last check of each recompute (``verify_every``, ``docs/drift.md``):
   ``pgjobs_drift_rows{job,change}`` (what a recompute would write then:
   inserted, updated, deleted, skipped), ``pgjobs_drift_on_the_way_rows``
   (rows of queued items, apart), ``pgjobs_check_timestamp_seconds`` and
-  ``pgjobs_check_failed`` (0/1); and ``pgjobs_database_up`` (0 when that
+  ``pgjobs_check_failed`` (0/1); ``pgjobs_schedulers{state}`` (``live``,
+  ``quiet``: by their heartbeats); and ``pgjobs_database_up`` (0 when that
   read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
@@ -62,6 +65,7 @@ from sqlalchemy.engine import Connection
 from ._pg import execute, set_local
 from .drift import workers_of
 from .errors import PgJobsError
+from .heartbeat import read_schedulers
 from .results import Outcome, RunResult
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
 
@@ -139,7 +143,8 @@ class Metrics:
             ProcessCollector(registry=r)
         self.runs = Counter(
             "pgjobs_runs",
-            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off).",
+            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off, paused,"
+            " cancelled).",
             ["job", "outcome"],
             registry=r,
         )
@@ -319,6 +324,7 @@ class _Row:
     retrying: int
     dead: int
     oldest_due: float
+    paused_since: float | None = None
 
 
 class _DatabaseCollector(Collector):
@@ -333,6 +339,8 @@ class _DatabaseCollector(Collector):
         self._cached: tuple[float, list[_Row] | None] | None = None
         #: each recompute's last check: (job, figures by change, on their way, at, failed)
         self.checks: list[tuple[str, dict[str, int], dict[str, int], float, bool]] = []
+        #: live and gone-quiet schedulers (pgjobs.heartbeat), read with the rows
+        self.schedulers: tuple[int, int] = (0, 0)
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -349,7 +357,8 @@ class _DatabaseCollector(Collector):
             " select coalesce(s.job, q.job), s.failures, s.next_attempt_at > now(),"
             " extract(epoch from s.last_success_at)::float8, q.job is not null,"
             " coalesce(q.depth, 0), coalesce(q.due, 0), coalesce(q.retrying, 0),"
-            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0)"
+            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0),"
+            " extract(epoch from s.paused_at)::float8"
             " from {state} s full join q on q.job = s.job order by 1"
         ).format(queue=sql.Identifier(schema, "queue"), state=sql.Identifier(schema, "job_state"))
 
@@ -372,7 +381,10 @@ class _DatabaseCollector(Collector):
                     execute(conn, *set_local(settings))
                     found = execute(conn, self._query(source.schema)).fetchall()
                     self.checks = _last_checks(conn, source)
+                    beats = read_schedulers(conn, source.schema)
                 rows = [_Row(*r) for r in found]
+                live = sum(1 for b in beats if b["live"])
+                self.schedulers = (live, len(beats) - live)
             except Exception:
                 log.warning(
                     "pgjobs: metrics: could not read the queue and job states", exc_info=True
@@ -380,6 +392,16 @@ class _DatabaseCollector(Collector):
                 rows = None
             self._cached = (time.monotonic(), rows)
             return rows
+
+    def _schedulers_family(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(
+            "pgjobs_schedulers",
+            "Schedulers on the database by heartbeat: live, or quiet (not seen for 3 heartbeats).",
+            labels=["state"],
+        )
+        family.add_metric(["live"], self.schedulers[0])
+        family.add_metric(["quiet"], self.schedulers[1])
+        return family
 
     def collect(self) -> Iterator[Metric]:
         source = self.source
@@ -394,6 +416,7 @@ class _DatabaseCollector(Collector):
         yield up
         if rows is None:
             return
+        yield self._schedulers_family()
         by_job = {r.job: r for r in rows}
         # jobs of the built-in queue: every known one (an empty queue is 0),
         # and any other job the table holds items for
@@ -436,11 +459,20 @@ class _DatabaseCollector(Collector):
                     "pgjobs_job_last_success_timestamp_seconds",
                     "When the job last ran successfully (Unix time).",
                 ),
+                ("pgjobs_job_paused", "1 while the job is paused (pgjobs pause), else 0."),
+                (
+                    "pgjobs_job_paused_since_timestamp_seconds",
+                    "Since when the job is paused (Unix time); absent when it is not.",
+                ),
             ]
         )
         names = [*source.jobs, *sorted(r.job for r in rows if r.job not in source.jobs)]
         for name in names:
             row = by_job.get(name)
+            paused = row.paused_since if row is not None else None
+            states[3].add_metric([name], 0 if paused is None else 1)
+            if paused is not None:
+                states[4].add_metric([name], paused)
             if row is None or row.failures is None:
                 if name in source.jobs:
                     states[0].add_metric([name], 0)

@@ -1,21 +1,25 @@
 """What ticks leave behind in ``job_state`` and the run log, for the runner
 (:mod:`pgjobs.runner`): a failed run and the state it puts its job in, and
 the counts of the ticks that changed nothing (``idle``, ``busy``,
-``not_due``, ``backing_off``), kept per job until the next write."""
+``not_due``, ``backing_off``, ``paused``), kept per job until the next
+write; and a run that a shutdown deadline cancelled."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
-from ._pg import later
-from .results import RunResult
+from ._pg import later, send
+from .results import Outcome, RunResult
 from .store import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,4 +80,38 @@ class QuietTicks:
             later(conn, *self.store.quiet_query(job, counts, at, outcome))
 
 
-__all__ = ["Failure", "QuietTicks"]
+def cancelled(job: str, started_at: datetime, finished_at: datetime) -> RunResult:
+    """A run that a shutdown deadline cancelled (rolled back; not a failure)."""
+    return RunResult(
+        job=job,
+        outcome=Outcome.CANCELLED,
+        started_at=started_at,
+        finished_at=finished_at,
+        error="cancelled by the shutdown deadline; rolled back",
+    )
+
+
+def write_run(
+    engine: Engine, conn: Connection, store: Store, result: RunResult, worker: str
+) -> RunResult:
+    """Record ``result`` in the run log alone (``job_state`` untouched), on
+    ``conn`` (not in a transaction) if it still works, else on a connection
+    of its own; ``result`` with its ``run_id``, or as it is when neither
+    could write it."""
+    for use in (conn, None):
+        try:
+            if use is None or use.invalidated:
+                with engine.connect() as other, other.begin():
+                    (recorded,) = send(other, store.run_query(result, worker))
+            else:
+                with use.begin():
+                    (recorded,) = send(use, store.run_query(result, worker))
+            return replace(result, run_id=int(recorded.scalar()))
+        except Exception:
+            log.debug(
+                "pgjobs: %s: recording its %s run failed", result.job, result.outcome, exc_info=True
+            )
+    return result
+
+
+__all__ = ["Failure", "QuietTicks", "cancelled", "write_run"]

@@ -20,6 +20,10 @@ class Outcome(StrEnum):
     #: a verification (``verify_every``, :func:`pgjobs.check`) that wrote nothing;
     #: its figures are what a recompute would write
     CHECKED = "checked"
+    PAUSED = "paused"  #: the job is paused (``pgjobs pause``); nothing was done
+    #: a shutdown deadline cancelled the run's statement; rolled back, not a
+    #: failure (no backoff)
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,6 +39,7 @@ from ._pg import (
     set_local,
     sqlstate_of,
 )
+from .cancel import cancel_statement
 from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
 from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
@@ -53,7 +54,7 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
-from .records import Failure, QuietTicks
+from .records import Failure, QuietTicks, cancelled, write_run
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -167,6 +168,20 @@ class Runner:
         #: failures that could not be written yet (the database was away), by job
         self._unrecorded: dict[str, Failure] = {}
         self._unrecorded_lock = threading.Lock()
+        #: the ticks running now, for :meth:`cancel_running`
+        self._running: set[_Tick] = set()
+        self._running_lock = threading.Lock()
+
+    def cancel_running(self) -> list[str]:
+        """Cancel the statements of the ticks running now, on the server (a
+        shutdown deadline): each rolls back and ends ``cancelled``, which is
+        not a failure and starts no backoff. Returns their jobs' names. Call
+        it again to cancel a tick that was between two statements."""
+        with self._running_lock:
+            ticks = list(self._running)
+        for tick in ticks:
+            tick.cancel()
+        return [tick.job.name for tick in ticks]
 
     def close(self) -> None:
         """Write what is still counted or unrecorded (if the database is
@@ -256,18 +271,22 @@ class Runner:
         progress: Progress | None = None,
         next_due: datetime | None = None,
         force: bool = False,
+        run_paused: bool = False,
     ) -> RunResult:
         """Run one tick of ``job`` and return its :class:`RunResult`.
 
         ``next_due``: for cron jobs, the scheduler's next fire time (so other
         replicas know the job is done until then). ``force`` ignores the
-        schedule and the backoff (never the lock).
+        schedule and the backoff (never the lock); ``run_paused`` a pause
+        (``pgjobs pause``), which otherwise ends the tick ``paused``.
         """
         if self._unrecorded:
             self.flush()
         with self.engine.connect() as conn:
             self.store.ensure(conn)
-            return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
+            return self.tick_on(
+                conn, job, progress=progress, next_due=next_due, force=force, run_paused=run_paused
+            )
 
     def tick_on(
         self,
@@ -277,9 +296,18 @@ class Runner:
         progress: Progress | None = None,
         next_due: datetime | None = None,
         force: bool = False,
+        run_paused: bool = False,
     ) -> RunResult:
         """:meth:`tick` on a connection of the caller's (not in a transaction)."""
-        return _Tick(self, conn, job, progress=progress, next_due=next_due, force=force).run()
+        tick = _Tick(self, conn, job, progress=progress, next_due=next_due, force=force)
+        tick.run_paused = run_paused
+        with self._running_lock:
+            self._running.add(tick)
+        try:
+            return tick.run()
+        finally:
+            with self._running_lock:
+                self._running.discard(tick)
 
     def prune(self, keep: timedelta = timedelta(days=7)) -> int:
         """Delete run records older than ``keep``; returns how many."""
@@ -309,6 +337,12 @@ class _Tick:
         self.body = body_of(job)
         self.next_due = next_due
         self.force = force
+        self.run_paused = False
+        #: a shutdown deadline cancelled this tick (:meth:`cancel`); once
+        #: ``ending``, its statements are its own rollback and record: no more cancels
+        self.cancelled = False
+        self.ending = False
+        self._cancel_lock = threading.Lock()
         self.started = runner.clock()
         self.state: JobState | None = None
         self.ctx = RunContext(
@@ -323,7 +357,39 @@ class _Tick:
         stop = self._due_and_work()
         if stop is not None:
             return stop
+        if self.cancelled:
+            return self._record_cancelled()
         return self._locked_run()
+
+    def cancel(self) -> None:
+        """Cancel what this tick runs now, from another thread (a shutdown
+        deadline); the tick then rolls back and ends ``cancelled``. The lock
+        keeps the tick from its rollback while the request is on its way, so
+        that the request cannot cancel the rollback or the record instead."""
+        with self._cancel_lock:
+            if self.ending:
+                return
+            self.cancelled = True
+            cancel_statement(self.conn)
+
+    def _end(self) -> bool:
+        """From here on the tick's statements are its rollback and its record
+        (no cancel reaches them); True if a shutdown cancelled it."""
+        with self._cancel_lock:
+            self.ending = True
+            return self.cancelled
+
+    def _record_cancelled(self) -> RunResult:
+        """The run a shutdown deadline cancelled: rolled back (by the caller),
+        recorded ``cancelled`` in the run log; the job's state is left as it
+        was: no failure, no backoff."""
+        result = cancelled(self.job.name, self.started, self.runner.clock())
+        log.warning(
+            "pgjobs: %s: cancelled by the shutdown deadline after %.1f s; rolled back",
+            self.job.name,
+            result.seconds,
+        )
+        return write_run(self.runner.engine, self.conn, self.store, result, self.runner.worker)
 
     # -- steps 1 and 2 --------------------------------------------------------------
     def _due_and_work(self) -> RunResult | None:
@@ -378,8 +444,10 @@ class _Tick:
             return None
 
     def _blocked(self) -> Outcome | None:
-        """``backing_off`` or ``not_due`` by the job's state, unless forced."""
+        """``paused``, ``backing_off`` or ``not_due`` by the job's state, unless forced."""
         state = self.state
+        if state is not None and state.paused_at is not None and not self.run_paused:
+            return Outcome.PAUSED
         if self.force or state is None or state.next_attempt_at is None:
             return None
         if state.failures > 0:
@@ -390,6 +458,9 @@ class _Tick:
 
     def _blocked_result(self, outcome: Outcome) -> RunResult:
         state = self.state
+        if outcome is Outcome.PAUSED and state is not None:
+            paused = {"paused_at": state.paused_at, "reason": state.paused_reason}
+            return self._finish(outcome, detail=paused)
         return self._finish(outcome, next_attempt_at=state.next_attempt_at if state else None)
 
     # -- steps 3 to 5 ----------------------------------------------------------------
@@ -626,7 +697,11 @@ class _Tick:
         transaction (rolled back to its savepoint, the lock still held), so
         that no replica can start the job between the failure and its
         backoff. When that transaction is gone (the connection was lost, or
-        COMMIT itself failed), so is the lock: recorded elsewhere."""
+        COMMIT itself failed), so is the lock: recorded elsewhere. A tick
+        that a shutdown deadline cancelled rolls back and ends ``cancelled``."""
+        if self._end():
+            abandon(self.conn, self.trans)
+            return self._record_cancelled()
         failure = self._failure(exc)
         if open_transaction(self.conn):
             try:
@@ -651,6 +726,8 @@ class _Tick:
 
     def _fail(self, exc: Exception) -> RunResult:
         """A failure before the lock (the work check): recorded on its own."""
+        if self._end():
+            return self._record_cancelled()
         return self.runner.record_failure(self._failure(exc), self.conn)
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:

@@ -31,7 +31,14 @@ it in a FastAPI app with :func:`lifespan`::
     app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml"))
 
 :meth:`Scheduler.shutdown` waits for the running ticks, so a job's
-transaction always ends in a commit or a rollback, never half a write.
+transaction always ends in a commit or a rollback, never half a write; with
+a deadline (``shutdown(timeout=...)``, ``shutdown_timeout``), the ticks
+still running when it passes have their statements cancelled on the server
+and roll back, recorded ``cancelled`` (no failure, no backoff).
+
+A job that fails its pre-flight check at :meth:`Scheduler.start` is set
+aside, failing and backed off, while the others run (:mod:`pgjobs.preflight`);
+``strict=True`` refuses to start instead.
 """
 
 from __future__ import annotations
@@ -57,12 +64,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from ._pg import connection_lost, first_line
 from .checks import check_jobs
 from .database import transaction_pooling
-from .durations import Duration, parse_duration
+from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
 from .flow import RENEW_EVERY, renew
+from .heartbeat import Heartbeat
 from .jobs import Job, Progress, QueueJob, RecomputeJob
 from .listener import Listener
 from .locking import DEFAULT_NAMESPACE
+from .preflight import Preflight
 from .results import Outcome, RunResult
 from .runner import Runner
 from .store import DEFAULT_SCHEMA
@@ -97,11 +106,17 @@ class Scheduler:
     ``jobs``: a :class:`~pgjobs.registry.Registry` or job objects (disabled
     jobs are left out). ``database``: a URL, an Engine, or ``None`` for
     ``$PGJOBS_DATABASE_URL``. ``check`` verifies the jobs against the
-    database at :meth:`start` (see :func:`pgjobs.checks.check_jobs`), before anything
-    is written. ``on_result`` is called with every tick's
-    :class:`~pgjobs.RunResult`, from the worker thread. ``listen``: wake queue
-    jobs on enqueue (default: yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says
-    a transaction pooler is in the way).
+    database at :meth:`start` (see :func:`pgjobs.checks.check_jobs`): a job
+    that fails is reported, shown failing and backed off, and checked again
+    when its backoff ends, while the other jobs run; with ``strict``, one
+    that fails makes :meth:`start` raise, before anything is written.
+    ``shutdown_timeout``: the default deadline of :meth:`shutdown` (``None``:
+    wait as long as the running ticks take). ``heartbeat_every``: how often
+    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`).
+    ``on_result`` is called with every tick's :class:`~pgjobs.RunResult`,
+    from the worker thread. ``listen``: wake queue jobs on enqueue (default:
+    yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says a transaction pooler is
+    in the way).
 
     >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
     ...     wait_for_shutdown()
@@ -121,6 +136,9 @@ class Scheduler:
         check: bool = True,
         on_result: Callable[[RunResult], None] | None = None,
         listen: bool | None = None,
+        strict: bool = False,
+        shutdown_timeout: Duration | None = None,
+        heartbeat_every: Duration = "5s",
     ) -> None:
         from .registry import Registry
 
@@ -138,15 +156,23 @@ class Scheduler:
             raise ConfigError(f"max_workers: expected a positive integer, got {max_workers!r}")
         self.max_workers = max_workers
         self.check = check
+        self.strict = strict
+        self.shutdown_timeout = _deadline(shutdown_timeout, "shutdown_timeout")
         self.on_result = on_result
         self.runner = Runner(database, namespace=namespace, schema=schema)
+        #: the jobs that failed their pre-flight check, set aside
+        self.preflight = Preflight(self.runner)
+        self._flight = _InFlight()
+        #: this scheduler's row in pgjobs.scheduler, while it runs
+        self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), heartbeat_every)
         self._triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
                 try:
-                    self._triggers[job.name] = CronTrigger.from_crontab(
-                        job.cron, timezone=self.timezone
+                    zone = (
+                        self.timezone if job.timezone is None else zoneinfo.ZoneInfo(job.timezone)
                     )
+                    self._triggers[job.name] = CronTrigger.from_crontab(job.cron, timezone=zone)
                 except ValueError as exc:
                     # The job checked the expression's syntax; what APScheduler
                     # still refuses is named by the job's config key (or plugin).
@@ -205,6 +231,8 @@ class Scheduler:
             "timezone": config.timezone,
             "keep_runs": config.keep_runs,
             "prune_every": config.prune_every,
+            "heartbeat_every": config.heartbeat_every,
+            "shutdown_timeout": config.shutdown_timeout,
         }
         settings.update(options)
         return cls(registry, url, **settings)
@@ -225,9 +253,12 @@ class Scheduler:
         with self._lock:
             if self._aps is not None:
                 return
-            if self.check:
+            if self.check and self.strict:
                 check_jobs(self.runner.engine, [self.registry.entry(n) for n in self.jobs])
             self.runner.install()
+            if self.check and not self.strict:
+                self.preflight.check(self.registry.entry(n) for n in self.jobs)
+            self.heartbeat.start()
             self._stopping.clear()
             self._renew_workers()
             aps = BackgroundScheduler(
@@ -294,9 +325,36 @@ class Scheduler:
                 "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
             )
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, *, timeout: Duration | None = None) -> bool:
         """Stop firing; with ``wait``, return once the running ticks have
-        committed or rolled back (nothing is cut in the middle of a write)."""
+        committed or rolled back (nothing is cut in the middle of a write).
+
+        ``timeout`` (default: the scheduler's ``shutdown_timeout``): wait at
+        most that long; then cancel the statements of the ticks still
+        running, on the server, and wait for their rollback (at most
+        :data:`CANCEL_GRACE` more). They are recorded ``cancelled``: not a
+        failure, no backoff. Returns False when a tick is still running after
+        that (one busy in Python rather than in a statement: it is left to
+        its thread; a process that exits now has PostgreSQL roll it back).
+        """
+        deadline = self.shutdown_timeout if timeout is None else _deadline(timeout, "timeout")
+        if wait and deadline is not None:
+            return self._shutdown_by(deadline)
+        aps, pool = self._stop_firing()
+        if aps is None:
+            self.runner.close()  # start() may have failed after connecting
+            return True
+        if pool is not None:
+            pool.shutdown(wait=wait)
+        aps.shutdown(wait=wait)
+        self.heartbeat.stop()  # after the ticks: a stopping scheduler is still alive
+        if wait:
+            self.runner.close()
+        log.info("pgjobs: scheduler stopped")
+        return True
+
+    def _stop_firing(self) -> tuple[BackgroundScheduler | None, WakePool | None]:
+        """Stop the entries, the listener and the wake-ups; what is left to shut down."""
         with self._lock:
             aps, self._aps = self._aps, None
             self._stopping.set()
@@ -305,15 +363,44 @@ class Scheduler:
             listener.stop()
         with self._wake_lock:
             pool, self._pool = self._pool, None
+        return aps, pool
+
+    def _shutdown_by(self, deadline: timedelta) -> bool:
+        """:meth:`shutdown` with a deadline: the running ticks are waited for
+        through :class:`_InFlight`, not the executors (which cannot time out)."""
+        aps, pool = self._stop_firing()
         if aps is None:
             self.runner.close()  # start() may have failed after connecting
-            return
+            return True
         if pool is not None:
-            pool.shutdown(wait=wait)
-        aps.shutdown(wait=wait)
-        if wait:
+            pool.shutdown(wait=False, cancel_futures=True)
+        aps.shutdown(wait=False)
+        done = self._flight.wait(deadline.total_seconds())
+        names: list[str] = []
+        if not done:
+            names = self.runner.cancel_running()
+            log.warning(
+                "pgjobs: shutdown deadline (%s) passed; cancelling the running tick(s) of %s",
+                format_duration(deadline),
+                ", ".join(names) or "no job (between two ticks)",
+            )
+            end = time.monotonic() + CANCEL_GRACE
+            # a tick between two statements missed the cancel: ask again
+            while not done and time.monotonic() < end:
+                done = self._flight.wait(min(0.1, max(0.0, end - time.monotonic())))
+                if not done:
+                    names = self.runner.cancel_running()
+        self.heartbeat.stop()
+        if done:
             self.runner.close()
-        log.info("pgjobs: scheduler stopped")
+            log.info("pgjobs: scheduler stopped")
+        else:
+            log.warning(
+                "pgjobs: scheduler stopped with tick(s) still running in %s (not in a statement"
+                " that could be cancelled); they end with the process",
+                ", ".join(names) or "their threads",
+            )
+        return done
 
     def __enter__(self) -> Scheduler:
         self.start()
@@ -379,17 +466,18 @@ class Scheduler:
     def _fire(self, name: str, index: int = 0) -> None:
         """The ticks of one worker (``index``) of a job, while there is more."""
         slot = self._slots[name][index]
-        while not self._stopping.is_set():
-            if not slot.running.acquire(blocking=False):
-                return  # the tick running now sees slot.again
-            try:
-                self._work(name, index, slot)
-            finally:
-                slot.running.release()
-            # a wake-up between the last look and the release: nobody else saw it
-            with self._wake_lock:
-                if not slot.again:
-                    return
+        with self._flight:
+            while not self._stopping.is_set():
+                if not slot.running.acquire(blocking=False):
+                    return  # the tick running now sees slot.again
+                try:
+                    self._work(name, index, slot)
+                finally:
+                    slot.running.release()
+                # a wake-up between the last look and the release: nobody else saw it
+                with self._wake_lock:
+                    if not slot.again:
+                        return
 
     def _work(self, name: str, index: int, slot: _Slot) -> None:
         job = self.jobs[name]
@@ -425,6 +513,8 @@ class Scheduler:
 
     def _tick(self, job: Job, progress: Progress | None = None) -> RunResult | None:
         try:
+            if not self.preflight.ready(job):
+                return None  # set aside: failing its pre-flight check, backed off
             result = self.runner.tick(job, next_due=self._next_due(job), progress=progress)
         except Exception as exc:
             if connection_lost(exc):
@@ -500,7 +590,8 @@ class Scheduler:
         if self.keep_runs is None or self._stopping.is_set():
             return
         try:
-            deleted = self.runner.prune(self.keep_runs)
+            with self._flight:
+                deleted = self.runner.prune(self.keep_runs)
         except Exception:
             log.exception("pgjobs: could not prune old runs")
             return
@@ -546,6 +637,44 @@ def _more(job: Job, result: RunResult) -> bool:
     that finds nothing ends it, for one work check."""
     claimed, kept = _claimed(job, result)
     return claimed > kept
+
+
+#: after a shutdown deadline, the longest :meth:`Scheduler.shutdown` waits
+#: for the cancelled ticks to roll back, asking again every 100 ms
+CANCEL_GRACE = 0.8
+
+
+def _deadline(value: Duration | None, field: str) -> timedelta | None:
+    if value is None:
+        return None
+    deadline = parse_duration(value, field=field)
+    if deadline < timedelta(0):
+        raise ConfigError(f"{field}: must not be negative, got {value!r}")
+    return deadline
+
+
+class _InFlight:
+    """How many entry calls (ticks, prunes) run now; :meth:`wait` for none.
+    A call entered after :meth:`Scheduler.shutdown` set its stop flag sees
+    the flag and returns without ticking."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self._idle:
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout)
 
 
 class _Slot:

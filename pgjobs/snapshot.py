@@ -12,6 +12,7 @@ from typing import Any
 from psycopg import sql
 
 from ._pg import driver, execute, set_local
+from .heartbeat import read_schedulers
 from .serve import Source
 
 #: runs listed on the overview and on a job's page
@@ -64,6 +65,8 @@ class Snapshot:
     queues: list[QueueView] = field(default_factory=list)
     dead: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: the schedulers' heartbeats (:func:`pgjobs.heartbeat.read_schedulers`)
+    schedulers: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _dicts(cursor: Any) -> list[dict[str, Any]]:
@@ -165,6 +168,7 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
                 params,
             )
         )
+        schedulers = read_schedulers(conn, source.schema) if job is None else []
     by_queue = {q.job: q for q in queues}
     views = _views(source, states, last, last_ran, since, by_queue, last_checked)
     return Snapshot(
@@ -175,6 +179,7 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
         queues=queues,
         dead=dead,
         runs=recent,
+        schedulers=schedulers,
     )
 
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SCHEMA = "pgjobs"
 
 #: tick outcomes that change nothing: counted in ``job_state``, not logged
-QUIET_OUTCOMES = ("idle", "busy", "not_due", "backing_off")
+QUIET_OUTCOMES = ("idle", "busy", "not_due", "backing_off", "paused")
 
 
 def _dumps(value: Any) -> str:
@@ -57,6 +57,9 @@ class JobState:
     last_success_at: datetime | None = None
     last_failure_at: datetime | None = None
     last_error: str | None = None
+    #: since when the job is paused (``pgjobs pause``), else ``None``
+    paused_at: datetime | None = None
+    paused_reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,7 +173,8 @@ class Store:
         cfg, params = set_local(settings or {})
         query = sql.SQL(
             "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
-            " s.last_failure_at, s.last_error from ({}) cfg left join {} s on s.job = %s"
+            " s.last_failure_at, s.last_error, s.paused_at, s.paused_reason"
+            " from ({}) cfg left join {} s on s.job = %s"
         ).format(cfg, self.table("job_state"))
         return query, [*params, job]
 
@@ -178,7 +182,7 @@ class Store:
     def state_from_row(job: str, row: Sequence[Any] | None) -> JobState | None:
         if row is None or row[0] is None:
             return None
-        return JobState(job, row[1], row[2], row[3], row[4], row[5])
+        return JobState(job, row[1], row[2], row[3], row[4], row[5], row[6], row[7])
 
     def failure_query(
         self,
@@ -218,15 +222,16 @@ class Store:
         self, job: str, counts: Mapping[str, int], last_at: datetime, last_outcome: str
     ) -> tuple[sql.Composed, dict[str, Any]]:
         """The statement that adds ``counts`` (ticks by quiet outcome: idle,
-        busy, not_due, backing_off) to the job's state."""
+        busy, not_due, backing_off, paused) to the job's state."""
         query = sql.SQL(
             "insert into {} as s (job, idle_ticks, busy_ticks, not_due_ticks, backing_off_ticks,"
-            " last_quiet_at, last_quiet_outcome) values (%(job)s, %(idle)s, %(busy)s,"
-            " %(not_due)s, %(backing_off)s, %(at)s, %(outcome)s)"
+            " paused_ticks, last_quiet_at, last_quiet_outcome) values (%(job)s, %(idle)s,"
+            " %(busy)s, %(not_due)s, %(backing_off)s, %(paused)s, %(at)s, %(outcome)s)"
             " on conflict (job) do update set idle_ticks = s.idle_ticks + excluded.idle_ticks,"
             " busy_ticks = s.busy_ticks + excluded.busy_ticks,"
             " not_due_ticks = s.not_due_ticks + excluded.not_due_ticks,"
             " backing_off_ticks = s.backing_off_ticks + excluded.backing_off_ticks,"
+            " paused_ticks = s.paused_ticks + excluded.paused_ticks,"
             " last_quiet_at = greatest(s.last_quiet_at, excluded.last_quiet_at),"
             " last_quiet_outcome = case when s.last_quiet_at > excluded.last_quiet_at"
             " then s.last_quiet_outcome else excluded.last_quiet_outcome end"

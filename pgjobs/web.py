@@ -94,6 +94,7 @@ td.wrap { white-space: normal; }
 .outcome.ran { background: var(--ran); } .outcome.failed { background: var(--failed); }
 tr.failing td { background: #fff5f5; }
 tr.error td { background: #fff5f5; padding-top: 0; }
+.outcome.paused { background: #f08c00; } tr.paused td { background: #fff9db; padding-top: 0; }
 .error pre, pre.error { white-space: pre-wrap; word-break: break-word; margin: 0;
   font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; color: #c92a2a; }
 .muted { color: #868e96; }
@@ -235,6 +236,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                     "td",
                     el("a", v.name, href=_job_href(base, v.name)),
                     None if v.registered else el("span", " (not registered)", class_="muted"),
+                    el("span", " paused", class_="outcome paused") if _paused(v) else None,
                 ),
                 el("td", v.kind),
                 el("td", v.group),
@@ -261,6 +263,8 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                 data_job=v.name,
             )
         )
+        if _paused(v):
+            rows.append(_paused_row(v, snap.now))
         if failing:
             sqlstate = v.state.get("last_sqlstate")
             rows.append(
@@ -299,6 +303,60 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
     if not rows:
         rows = [el("tr", el("td", "no jobs", colspan="11", class_="muted"))]
     return el("table", el("thead", head), el("tbody", rows), id="jobs")
+
+
+def _paused(view: JobView) -> bool:
+    return view.state.get("paused_at") is not None
+
+
+def _paused_row(view: JobView, now: datetime) -> Markup:
+    """``paused 5m ago by ops@host: reason`` under a paused job (pgjobs pause)."""
+    state = view.state
+    reason = state.get("paused_reason")
+    return el(
+        "tr",
+        el(
+            "td",
+            "paused ",
+            _when(state.get("paused_at"), now),
+            f" by {state.get('paused_by') or '?'}",
+            f": {reason}" if reason else "",
+            f"; pgjobs resume {view.name} resumes it",
+            colspan="10",
+            class_="wrap",
+        ),
+        class_="paused",
+        data_job=view.name,
+    )
+
+
+def _schedulers_table(snap: Snapshot) -> Markup:
+    """The schedulers by their heartbeats: live, or gone quiet (docs/operate.md)."""
+    rows = [
+        el(
+            "tr",
+            el("td", f"{s['host']}:{s['pid']}"),
+            el("td", s["version"]),
+            el("td", _when(s["started_at"], snap.now)),
+            el("td", _when(s["last_seen"], snap.now)),
+            el(
+                "td",
+                el("span", "live", class_="outcome ran")
+                if s["live"]
+                else el("span", "gone quiet", class_="outcome failed"),
+            ),
+            el("td", ", ".join(s["jobs"]), class_="wrap"),
+            class_="scheduler",
+        )
+        for s in snap.schedulers
+    ]
+    if not rows:
+        rows = [el("tr", el("td", "none has recorded a heartbeat", colspan="6", class_="muted"))]
+    head = el(
+        "tr",
+        [el("th", h) for h in ("Scheduler", "Version", "Started", "Last seen", "State", "Jobs")],
+    )
+    return el("table", el("thead", head), el("tbody", rows), id="schedulers")
 
 
 def _queues_table(snap: Snapshot, base: str) -> Markup:
@@ -574,6 +632,8 @@ class StatusPage:
             body += [
                 el("h2", "Queues"),
                 _queues_table(snap, base),
+                el("h2", "Schedulers"),
+                _schedulers_table(snap),
                 el("h2", "Dead items"),
                 _dead_table(snap),
                 el("h2", "Recent runs"),

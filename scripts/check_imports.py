@@ -7,11 +7,11 @@
 
 Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
-    face         cli, progress, scheduler, api, testing, demo, web, snapshot, metrics, tracing, serve, __init__
-    definitions  checks, registry, config, hookspecs
+    face         cli, progress, scheduler, api, testing, demo, web, snapshot, metrics, tracing, serve, operate, __init__
+    definitions  checks, registry, config, hookspecs, preflight
     protocol     runner, records, drift
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, locking, database, embedded, flow
+    writers      diff, staging, target, queue, store, locking, database, embedded, flow, cancel, heartbeat
     model        jobs, results, errors, durations, backoff, logs
     base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
 
@@ -44,9 +44,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "metrics",
             "tracing",
             "serve",
+            "operate",
         },
     ),
-    ("definitions", {"checks", "registry", "config", "hookspecs"}),
+    ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
     ("protocol", {"runner", "records", "drift"}),
     ("bodies", {"recompute", "worker"}),
     (
@@ -62,6 +63,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "embedded",
             "listener",
             "flow",
+            "cancel",
+            "heartbeat",
         },
     ),
     ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),

@@ -529,10 +529,10 @@ BAD_INPUTS = [
     ),
     ("run-nothing-enabled", GOOD_JOB + "enabled = false\n", {}, ["run"], "no enabled jobs"),
     (
-        "run-missing-table",
+        "run-strict-missing-table",
         GOOD_JOB.replace('"exam_score"', '"exam_scores"'),
         {},
-        ["run"],
+        ["run", "--strict"],
         "table 'exam_scores' does not exist",
     ),
 ]

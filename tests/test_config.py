@@ -301,6 +301,7 @@ def _registry(path: Path | None) -> Registry:
 OVERRIDES: list[tuple[str, str, str, Any]] = [
     ("every", '"5m"', "interval", timedelta(minutes=5)),
     ("cron", '"*/5 * * * mon-fri"', "cron", "*/5 * * * mon-fri"),
+    ("timezone", '"Europe/Paris"', "timezone", "Europe/Paris"),
     ("group", '"g"', "group", "g"),
     (
         "backoff",

@@ -250,7 +250,7 @@ def test_metrics_scraped_from_a_running_scheduler_match_the_database(schema: Eng
         names = {"scores", "worker", "later"}
         for _, labels in samples:
             found = dict(labels)
-            assert set(found) <= {"job", "outcome", "phase", "change", "result", "le"}
+            assert set(found) <= {"job", "outcome", "phase", "change", "result", "le", "state"}
             assert found.get("job", "scores") in names
 
     # stopped: the ticks that changed nothing are written to job_state (on

@@ -225,9 +225,9 @@ def test_bad_settings_are_config_errors(engine: Engine) -> None:
         pgjobs.Scheduler([job.replace(every=None, cron="61 * * * *")], engine)
 
 
-def test_start_checks_the_jobs_before_writing_anything(engine: Engine) -> None:
+def test_a_strict_start_checks_the_jobs_before_writing_anything(engine: Engine) -> None:
     job = pgjobs.RecomputeJob(name="r", target="missing_table", compute="select 1")
-    scheduler = pgjobs.Scheduler([job], engine)
+    scheduler = pgjobs.Scheduler([job], engine, strict=True)
     with pytest.raises(pgjobs.ConfigError, match="table 'missing_table' does not exist"):
         scheduler.start()
     assert not scheduler.running

@@ -1,0 +1,148 @@
+"""Each running scheduler's heartbeat, in ``pgjobs.scheduler`` (migration 011).
+
+A :class:`~pgjobs.Scheduler` records itself (host, pid, pgjobs' version,
+its jobs, when it started) and then, every ``heartbeat_every`` (5 s by
+default), its ``last_seen``: one upsert a beat, from a thread of its own
+(not the job threads, which a long run may all hold), with a statement
+timeout. The same statement deletes the rows of schedulers quiet for more
+than :data:`PRUNE_AFTER`; a clean shutdown deletes its own row.
+
+:func:`read_schedulers` is what ``pgjobs status`` and the metrics read: a
+scheduler not seen for :data:`QUIET_BEATS` of its own heartbeats is "gone
+quiet" (killed, frozen, or cut off from the database).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from importlib import metadata
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy.engine import Connection, Engine
+
+from ._pg import driver, execute, first_line, send, set_local
+from .durations import Duration, parse_duration
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: a scheduler not seen for this many of its heartbeats is gone quiet
+QUIET_BEATS = 3
+#: rows of schedulers quiet for longer than this are deleted
+PRUNE_AFTER = timedelta(hours=1)
+#: bounded; and no wait for the WAL's flush: a heartbeat lost in a crash is
+#: harmless (the next one comes in seconds)
+_SETTINGS = {"statement_timeout": "2000ms", "lock_timeout": "1000ms", "synchronous_commit": "off"}
+
+
+def version() -> str:
+    """pgjobs' installed version (its distribution is ``pgjobs-derived``)."""
+    try:
+        return metadata.version("pgjobs-derived")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Heartbeat:
+    """A scheduler's heartbeat: :meth:`start` records it and beats every
+    ``every``; :meth:`stop` ends it and deletes the row."""
+
+    def __init__(self, engine: Engine, schema: str, jobs: Sequence[str], every: Duration) -> None:
+        self.engine = engine
+        self.every = parse_duration(every, field="heartbeat_every")
+        if self.every <= timedelta(0):
+            raise ConfigError(f"heartbeat_every: must be positive, got {every!r}")
+        self.table = sql.Identifier(schema, "scheduler")
+        self.id = uuid.uuid4().hex
+        self.params: dict[str, Any] = {
+            "id": self.id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "version": version(),
+            "jobs": list(jobs),
+            "ms": max(1, int(self.every.total_seconds() * 1000)),
+            "prune": PRUNE_AFTER,
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def start(self) -> None:
+        self._stop.clear()
+        self.beat()
+        self._thread = threading.Thread(target=self._loop, name="pgjobs-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the beats and delete this scheduler's row (bounded: a database
+        that does not answer leaves it, to be pruned)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5.0)
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                send(
+                    conn,
+                    set_local(_SETTINGS),
+                    (sql.SQL("delete from {} where id = %s").format(self.table), (self.id,)),
+                )
+        except Exception as exc:
+            log.debug("pgjobs: could not delete this scheduler's heartbeat: %s", first_line(exc))
+
+    def beat(self) -> None:
+        """One upsert of ``last_seen`` (and the pruning of long-quiet rows)."""
+        query = sql.SQL(
+            "with gone as (delete from {t} where id <> %(id)s and last_seen < now() - %(prune)s)"
+            " insert into {t} (id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen)"
+            " values (%(id)s, %(host)s, %(pid)s, %(version)s, %(jobs)s, %(ms)s, now(), now())"
+            " on conflict (id) do update set last_seen = excluded.last_seen"
+        ).format(t=self.table)
+        with self.engine.connect() as conn, conn.begin():
+            send(conn, set_local(_SETTINGS), (query, self.params))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every.total_seconds()):
+            try:
+                self.beat()
+            except Exception as exc:
+                # the scheduler's one line says when the database is away
+                if not self._failing:
+                    log.debug("pgjobs: heartbeat not recorded (%s)", first_line(exc))
+                self._failing = True
+            else:
+                self._failing = False
+
+
+def read_schedulers(conn: Connection, schema: str) -> list[dict[str, Any]]:
+    """The schedulers' rows, newest first, each with ``live`` (seen within
+    :data:`QUIET_BEATS` of its heartbeats) and ``quiet_seconds`` (since its
+    last beat). Empty where the table does not exist (an older schema)."""
+    table = sql.Identifier(schema, "scheduler")
+    found = execute(
+        conn, "select to_regclass(%s) is not null", (table.as_string(driver(conn)),)
+    ).fetchone()
+    if not (found and found[0]):
+        return []
+    cursor = execute(
+        conn,
+        sql.SQL(
+            "select id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen,"
+            " now() - last_seen <= make_interval(secs => %s * heartbeat_ms / 1000.0) as live,"
+            " extract(epoch from now() - last_seen)::float8 as quiet_seconds"
+            " from {} order by started_at desc, id"
+        ).format(table),
+        (QUIET_BEATS,),
+    )
+    names = [d.name for d in cursor.description or ()]
+    return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
+__all__ = ["PRUNE_AFTER", "QUIET_BEATS", "Heartbeat", "read_schedulers", "version"]
