@@ -9,7 +9,7 @@ from .api import install, run_once
 from .backoff import Backoff
 from .config import Config, load_config
 from .durations import parse_duration
-from .errors import ConfigError, JobError, PgJobsError, PluginError
+from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
 from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
 from .queue import (
@@ -35,6 +35,7 @@ __all__ = [
     "DiffStats",
     "Job",
     "JobError",
+    "MigrationError",
     "Outcome",
     "Parent",
     "PgJobsError",
@@ -47,6 +48,7 @@ __all__ = [
     "RunResult",
     "Runner",
     "Scheduler",
+    "SchemaError",
     "TaskJob",
     "drop_enqueue_trigger",
     "drop_enqueue_trigger_async",

@@ -7,6 +7,7 @@
     plugins = ["myapp.jobs"]                # modules with @pgjobs.hookimpl functions
     keep_runs = "7d"                        # prune pgjobs.run older than this ...
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
+    auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -82,6 +83,7 @@ _TOP_KEYS = (
     "timezone",
     "keep_runs",
     "prune_every",
+    "auto_migrate",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -210,6 +212,8 @@ class Config:
     #: run records older than this are pruned by the scheduler
     keep_runs: timedelta = timedelta(days=7)
     prune_every: timedelta = timedelta(hours=1)
+    #: apply pending migrations of pgjobs' schema at start (false: refuse; ``pgjobs migrate``)
+    auto_migrate: bool = True
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -445,6 +449,10 @@ class _Parser:
         for name in ("keep_runs", "prune_every"):
             if name in data:
                 fields[name] = self.duration(data[name], name)
+        if "auto_migrate" in data:
+            if not isinstance(data["auto_migrate"], bool):
+                raise self.fail("auto_migrate", "expected true or false", data["auto_migrate"])
+            fields["auto_migrate"] = data["auto_migrate"]
         jobs = data.get("jobs", {})
         if not isinstance(jobs, dict):
             raise self.fail("jobs", "expected a table of jobs ([jobs.NAME])", jobs)

@@ -95,7 +95,9 @@ class Scheduler:
     is written. ``on_result`` is called with every tick's
     :class:`~pgjobs.RunResult`, from the worker thread. ``listen``: wake queue
     jobs on enqueue (default: yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says
-    a transaction pooler is in the way).
+    a transaction pooler is in the way). ``auto_migrate`` false: :meth:`start`
+    refuses (:class:`~pgjobs.SchemaError`) while migrations are pending,
+    instead of applying them (``pgjobs migrate`` does).
 
     >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
     ...     wait_for_shutdown()
@@ -115,6 +117,7 @@ class Scheduler:
         check: bool = True,
         on_result: Callable[[RunResult], None] | None = None,
         listen: bool | None = None,
+        auto_migrate: bool = True,
     ) -> None:
         from .registry import Registry
 
@@ -133,7 +136,9 @@ class Scheduler:
         self.max_workers = max_workers
         self.check = check
         self.on_result = on_result
-        self.runner = Runner(database, namespace=namespace, schema=schema)
+        self.runner = Runner(
+            database, namespace=namespace, schema=schema, auto_migrate=auto_migrate
+        )
         self._triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
@@ -199,6 +204,7 @@ class Scheduler:
             "timezone": config.timezone,
             "keep_runs": config.keep_runs,
             "prune_every": config.prune_every,
+            "auto_migrate": config.auto_migrate,
         }
         settings.update(options)
         return cls(registry, url, **settings)

@@ -11,7 +11,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     definitions  checks, registry, config, hookspecs
     protocol     runner, records
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, locking, database, embedded
+    writers      diff, staging, target, queue, store, migrations, locking, database, embedded
     model        jobs, results, errors, durations, backoff, logs
     base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
 
@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "target",
             "queue",
             "store",
+            "migrations",
             "locking",
             "database",
             "embedded",
