@@ -411,3 +411,17 @@ def test_a_migration_behind_a_held_lock_gives_up_then_succeeds(
     finally:
         holder.close()
         engine.dispose()
+
+
+def test_migrate_settings_and_flags_are_checked() -> None:
+    assert MigrateSettings(lock_timeout="250ms").millis("lock_timeout") == "250ms"
+    with pytest.raises(pgjobs.ConfigError, match="lock_timeout: must be at least 1ms"):
+        MigrateSettings(lock_timeout=0)
+    with pytest.raises(pgjobs.ConfigError, match="retry_for"):
+        MigrateSettings(retry_for="soon")
+    both = CliRunner().invoke(cli, ["migrate", "--check", "--sql"])
+    assert both.exit_code == 2 and "--check and --sql: choose one" in both.output
+    bad = CliRunner().invoke(
+        cli, ["migrate", "--lock-timeout", "x", "--database", "postgresql://h/d"]
+    )
+    assert bad.exit_code == 2 and "lock_timeout" in bad.output
