@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 from schema_tools import client, install_as_before, libpq, schema_dump
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 
 import pgjobs
 from pgjobs.cli import cli
@@ -33,6 +33,7 @@ from pgjobs.migrations import (
     parse,
     read,
 )
+from pgjobs.testing import fresh_database
 
 
 def invoke(*args: str) -> Result:
@@ -131,16 +132,11 @@ def test_migrate_check_and_apply(db_url: str) -> None:
 
 
 def test_sql_applied_with_psql_gives_the_schema_migrate_gives(
-    db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    db_url: str, pg_server: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # One database by `pgjobs migrate`, one by psql running `migrate --sql`:
     # both in schema "jobs" (the name filled in), compared by pg_dump.
-    other = create_engine(db_url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
-    name = db_url.rsplit("/", 1)[1] + "_sql"
-    with other.connect() as conn:
-        conn.execute(text(f'create database "{name}"'))
-    sql_url = db_url.rsplit("/", 1)[0] + "/" + name
-    try:
+    with fresh_database(pg_server) as sql_url:
         cfg = tmp_path / "pgjobs.toml"
         cfg.write_text('schema = "jobs"\n')
         assert invoke("migrate", "-c", str(cfg), "--database", db_url).exit_code == 0
@@ -174,10 +170,6 @@ def test_sql_applied_with_psql_gives_the_schema_migrate_gives(
         assert result.outcome == "ran"
         assert versions(sql_url, "jobs") == before
         assert not [r for r in caplog.records if "applying migration" in r.getMessage()]
-    finally:
-        with other.connect() as conn:
-            conn.execute(text(f'drop database if exists "{name}" with (force)'))
-        other.dispose()
 
 
 def test_sql_of_a_schema_part_way_prints_only_what_it_lacks(db_url: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from schema_tools import libpq
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
@@ -86,7 +87,7 @@ def big(pg_server: str) -> Iterator[Engine]:
     with fresh_database(pg_server, prefix="pgjobs_plans") as url:
         pgjobs.install(url)
         started = time.monotonic()
-        with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
             # The queue's indexes built after the rows, not row by row: the
             # fill takes a third of the time. The same indexes, checked.
             indexes = conn.execute(INDEXES).fetchall()
