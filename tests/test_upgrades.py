@@ -2,9 +2,10 @@
 left it and filled with data (jobs, queue entries, runs, marks), migrated
 by this code equals a fresh install (``pg_dump --schema-only``, see
 ``schema_tools.schema_dump`` for what is left out and why) with its data
-intact; and the previous release's code (f1b989b, from git history) runs
-a recompute and a queue job beside this release's schema, whose
-migrations since are additive."""
+intact. The previous release's code (f1b989b, from git history) installs
+a schema that this code migrates to the same, and runs a recompute and a
+queue job beside this release's schema, whose migrations since are
+additive."""
 
 from __future__ import annotations
 
@@ -210,3 +211,31 @@ def test_the_previous_release_runs_beside_this_releases_schema(
     )
     result = pgjobs.run_once(job, db_url, force=True)
     assert result.outcome == "ran" and result.stats.updated == 10
+
+
+def test_the_previous_releases_own_install_migrates_to_a_fresh_install(
+    db_url: str, previous_release: Path, fresh_dump: str, tmp_path: Path
+) -> None:
+    # install_as_before() mirrors the previous release's Store.ensure; this
+    # is that release itself installing, then this one migrating.
+    env = dict(os.environ, PYTHONPATH=str(previous_release), PGJOBS_LOAD_PLUGINS="")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, pgjobs; pgjobs.install(sys.argv[1])", db_url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(libpq(db_url)) as conn:
+        old = conn.execute("select version from pgjobs.schema_version order by 1").fetchall()
+    assert [v for (v,) in old] == [1, 2, 3, 4, 5, 7, 8]
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            applied = migrate(conn, "pgjobs")
+    finally:
+        engine.dispose()
+    assert [m.number for m in applied] == [m.number for m in migrations() if m.number > 8]
+    assert schema_dump(db_url, "pgjobs") == fresh_dump
