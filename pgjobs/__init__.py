@@ -10,7 +10,7 @@ from .backoff import Backoff
 from .config import Config, load_config
 from .drift import CheckResult, Sample
 from .durations import parse_duration
-from .errors import ConfigError, JobError, PgJobsError, PluginError
+from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
 from .hookspecs import hookimpl
 from .jobs import Job, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
 from .queue import (
@@ -37,6 +37,7 @@ __all__ = [
     "DiffStats",
     "Job",
     "JobError",
+    "MigrationError",
     "Outcome",
     "Parent",
     "PgJobsError",
@@ -50,6 +51,7 @@ __all__ = [
     "Runner",
     "Sample",
     "Scheduler",
+    "SchemaError",
     "TaskJob",
     "check",
     "drop_enqueue_trigger",

@@ -36,6 +36,7 @@ def run_once(
     schema: str = DEFAULT_SCHEMA,
     force: bool = False,
     progress: Progress | None = None,
+    auto_migrate: bool = True,
 ) -> RunResult:
     """Run one tick of ``job`` (a job object or a registered name).
 
@@ -44,14 +45,15 @@ def run_once(
     ``not_due`` (a queue job is due whenever it has work), one backing off
     after a failure ``backing_off``, and nothing runs. ``force=True`` runs
     it anyway, as ``pgjobs once`` always does; neither waits for the group
-    lock (``busy``).
+    lock (``busy``). ``auto_migrate=False``: pending migrations are not
+    applied; the tick refuses (:class:`~pgjobs.SchemaError`) naming them.
 
     >>> result = pgjobs.run_once(job, database="postgresql://localhost/app")
     >>> result.outcome, result.stats
     """
     if isinstance(job, str):
         job = get_registry().get(job)
-    with Runner(database, namespace=namespace, schema=schema) as runner:
+    with Runner(database, namespace=namespace, schema=schema, auto_migrate=auto_migrate) as runner:
         return runner.tick(job, force=force, progress=progress)
 
 

@@ -8,6 +8,7 @@
     pgjobs status           last outcome, next attempt, failures, rows changed, queue depth
     pgjobs pause JOB        pause JOB on every scheduler (``resume JOB`` resumes it)
     pgjobs enqueue JOB KEY  add items to JOB's queue (``revive JOB`` brings dead ones back)
+    pgjobs migrate          apply pgjobs' pending migrations (--check: are any? --sql: print them)
     pgjobs demo             the demonstration (see ``pgjobs demo --help``)
 
 Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
@@ -16,7 +17,9 @@ Every command takes ``--config/-c`` (default ``$PGJOBS_CONFIG``, else
 command (``pgjobs --config f list``) or after it (``pgjobs list --config f``).
 
 Exit codes: 0 ok; 1 a job failed (``once``: the tick failed or found its
-group busy; ``status``: a job is failing); 2 a usage, config or plugin error;
+group busy; ``status``: a job is failing; ``migrate --check``: migrations
+are pending); 2 a usage, config or plugin error, or a schema that does not
+fit the code (newer than it, or not migrated with ``auto_migrate = false``);
 3 the database is unreachable (or refused pgjobs' own statements, outside
 any job: the connection, the checks, the status query). A tick that fails
 on the database inside the job is a failed job: 1.
@@ -93,9 +96,10 @@ def _errors() -> Iterator[None]:
         click.echo(f"pgjobs: error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     except Exception as exc:
+        import psycopg
         from sqlalchemy.exc import DBAPIError
 
-        if not isinstance(exc, DBAPIError):
+        if not isinstance(exc, DBAPIError | psycopg.Error):
             raise
         from ._pg import first_line
 
@@ -471,7 +475,9 @@ def once(
             click.echo(
                 f"pgjobs: note: {job} is disabled (enabled = false); running it anyway", err=True
             )
-        with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
+        with Runner(
+            url, namespace=config.namespace, schema=config.schema, auto_migrate=config.auto_migrate
+        ) as runner:
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
             with Display(job, sys.stderr) as progress:
@@ -807,6 +813,66 @@ def revive(
 
     with _errors():
         click.echo(Operator(*_load(config_path, database)).revive(job, keys, as_json=as_json))
+
+
+# -- migrate --------------------------------------------------------------------------
+@cli.command()
+@_common
+@_verbosity
+@click.option("--check", is_flag=True, help="Apply nothing; exit 1 if migrations are pending.")
+@click.option(
+    "--sql",
+    "as_sql",
+    is_flag=True,
+    help="Apply nothing; print the pending migrations' SQL (all of them for an empty database).",
+)
+@click.option(
+    "--lock-timeout",
+    default="2s",
+    show_default=True,
+    help="The longest one table lock request waits (replicas' statements queue behind it).",
+)
+@click.option(
+    "--retry-for",
+    default="60s",
+    show_default=True,
+    help="Retry attempts that found a lock taken, with backoff, this long; then give up.",
+)
+def migrate(
+    config_path: str | None,
+    database: str | None,
+    verbose: int,
+    check: bool,
+    as_sql: bool,
+    lock_timeout: str,
+    retry_for: str,
+) -> None:
+    """Apply the migrations pgjobs' schema lacks, and say which.
+
+    --check exits 1 naming the pending migrations, 0 when the schema is
+    current (a deploy gate). --sql prints their SQL, schema name filled in,
+    for psql -v ON_ERROR_STOP=1 --single-transaction or a migration tool;
+    the schema it installs is recognised as current. docs/upgrades.md.
+    """
+    from .database import resolve_engine
+    from .migrations import MigrateSettings, command
+
+    if check and as_sql:
+        raise click.UsageError("--check and --sql: choose one")
+    with _errors(), _logging(verbose, logging.INFO):
+        config = load_config(_given("config_path", config_path))
+        settings = MigrateSettings(lock_timeout=lock_timeout, retry_for=retry_for)
+        engine, owned = resolve_engine(config.database_url(_given("database", database)))
+        try:
+            with engine.connect() as conn:
+                code, text = command(
+                    conn, config.schema, check=check, as_sql=as_sql, settings=settings
+                )
+        finally:
+            if owned:
+                engine.dispose()
+        click.echo(text, nl=not text.endswith("\n"))
+        sys.exit(code)
 
 
 # -- demo ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@
     plugins = ["myapp.jobs"]                # modules with @pgjobs.hookimpl functions
     keep_runs = "7d"                        # prune pgjobs.run older than this ...
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
+    auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -85,6 +86,7 @@ _TOP_KEYS = (
     "prune_every",
     "heartbeat_every",
     "shutdown_timeout",
+    "auto_migrate",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -223,6 +225,8 @@ class Config:
     #: how long a stopping scheduler waits for running ticks before it
     #: cancels them; ``None``: as long as they take
     shutdown_timeout: timedelta | None = None
+    #: apply pending migrations of pgjobs' schema at start (false: refuse; ``pgjobs migrate``)
+    auto_migrate: bool = True
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -461,6 +465,10 @@ class _Parser:
         for name in ("keep_runs", "prune_every", "heartbeat_every", "shutdown_timeout"):
             if name in data:
                 fields[name] = self.duration(data[name], name)
+        if "auto_migrate" in data:
+            if not isinstance(data["auto_migrate"], bool):
+                raise self.fail("auto_migrate", "expected true or false", data["auto_migrate"])
+            fields["auto_migrate"] = data["auto_migrate"]
         jobs = data.get("jobs", {})
         if not isinstance(jobs, dict):
             raise self.fail("jobs", "expected a table of jobs ([jobs.NAME])", jobs)

@@ -5,7 +5,9 @@
     PgJobsError            anything pgjobs raises on purpose
      ├── ConfigError       a job, option or config file is wrong (names the field/key)
      ├── PluginError       a plugin could not be loaded or registered something invalid
-     └── JobError          a job's run failed (chained to the database or plugin cause)
+     ├── JobError          a job's run failed (chained to the database or plugin cause)
+     ├── SchemaError       pgjobs' schema does not fit this code (newer, or not migrated)
+     └── MigrationError    a migration could not be applied (a lock not granted in time)
 
 A group lock found busy is an *outcome* (``RunResult.outcome == "busy"``),
 never an exception.
@@ -35,3 +37,14 @@ class JobError(PgJobsError):
     def __init__(self, message: str | None = None, *, sqlstate: str | None = None) -> None:
         super().__init__(message)
         self.sqlstate = sqlstate
+
+
+class SchemaError(PgJobsError):
+    """pgjobs' schema in the database does not fit this code: it is past a
+    breaking migration of newer code, or migrations are pending and
+    automatic migration is off."""
+
+
+class MigrationError(PgJobsError):
+    """A migration could not be applied (its locks were not granted in time;
+    a migration file without its ``-- pgjobs-migration:`` line)."""

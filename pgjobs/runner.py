@@ -142,7 +142,9 @@ class Runner:
 
     ``database``: a URL, an :class:`~sqlalchemy.engine.Engine` or ``None`` for
     ``$PGJOBS_DATABASE_URL``. ``clock`` is injectable so that schedules can be
-    simulated; every timestamp pgjobs stores comes from it.
+    simulated; every timestamp pgjobs stores comes from it. ``auto_migrate``
+    false: pending migrations are not applied, the first tick refuses
+    (:class:`~pgjobs.SchemaError`) until ``pgjobs migrate`` has run.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class Runner:
         schema: str = DEFAULT_SCHEMA,
         clock: Clock = utcnow,
         worker: str | None = None,
+        auto_migrate: bool = True,
     ) -> None:
         for name, value in (("namespace", namespace), ("schema", schema)):
             if not isinstance(value, str) or not value or "\x00" in value:
@@ -161,7 +164,7 @@ class Runner:
                 )
         self.engine, self._owned = resolve_engine(database)
         self.namespace = namespace
-        self.store = Store(schema)
+        self.store = Store(schema, auto_migrate=auto_migrate)
         self.clock = clock
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.quiet = QuietTicks(self.store)
@@ -260,7 +263,9 @@ class Runner:
         self.close()
 
     def install(self) -> None:
-        """Create pgjobs' schema if it is missing (also done by the first tick)."""
+        """Check pgjobs' schema and apply pending migrations unless
+        ``auto_migrate`` is off (then refuse: :class:`~pgjobs.SchemaError`);
+        the first tick does it too."""
         with self.engine.connect() as conn:
             self.store.ensure(conn)
 

@@ -116,7 +116,9 @@ class Scheduler:
     ``on_result`` is called with every tick's :class:`~pgjobs.RunResult`,
     from the worker thread. ``listen``: wake queue jobs on enqueue (default:
     yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says a transaction pooler is
-    in the way).
+    in the way). ``auto_migrate`` false: :meth:`start` refuses
+    (:class:`~pgjobs.SchemaError`) while migrations are pending, instead of
+    applying them (``pgjobs migrate`` does).
 
     >>> with pgjobs.Scheduler([job], "postgresql://localhost/app"):
     ...     wait_for_shutdown()
@@ -139,6 +141,7 @@ class Scheduler:
         strict: bool = False,
         shutdown_timeout: Duration | None = None,
         heartbeat_every: Duration = "5s",
+        auto_migrate: bool = True,
     ) -> None:
         from .registry import Registry
 
@@ -159,7 +162,9 @@ class Scheduler:
         self.strict = strict
         self.shutdown_timeout = _deadline(shutdown_timeout, "shutdown_timeout")
         self.on_result = on_result
-        self.runner = Runner(database, namespace=namespace, schema=schema)
+        self.runner = Runner(
+            database, namespace=namespace, schema=schema, auto_migrate=auto_migrate
+        )
         #: the jobs that failed their pre-flight check, set aside
         self.preflight = Preflight(self.runner)
         self._flight = _InFlight()
@@ -233,6 +238,7 @@ class Scheduler:
             "prune_every": config.prune_every,
             "heartbeat_every": config.heartbeat_every,
             "shutdown_timeout": config.shutdown_timeout,
+            "auto_migrate": config.auto_migrate,
         }
         settings.update(options)
         return cls(registry, url, **settings)

@@ -1,8 +1,8 @@
 """pgjobs' own tables: job state, the run log and the queue.
 
 The schema (``pgjobs`` unless configured) is created on first use by
-numbered migrations in ``pgjobs/sql/NNN_*.sql``, safely when several
-processes start at once. :class:`Store` reads and writes the job state and
+numbered migrations in ``pgjobs/sql/NNN_*.sql`` (:mod:`pgjobs.migrations`),
+safely when several processes start at once. :class:`Store` reads and writes the job state and
 the run records, each statement also given as a query to send with others
 in one round trip (``state_query``, ``run_query``). The queue's API is
 :mod:`pgjobs.queue`. How the runner uses these tables, and why
@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from importlib import resources
 from typing import Any
 
-from psycopg import errors, sql
+from psycopg import sql
 from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
+from . import migrations
 from ._pg import driver, execute, send, set_local
 from .results import RunResult
 
@@ -38,15 +37,6 @@ QUIET_OUTCOMES = ("idle", "busy", "not_due", "backing_off", "paused")
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=str)
-
-
-def _migrations() -> list[tuple[int, str]]:
-    files = []
-    for entry in resources.files("pgjobs").joinpath("sql").iterdir():
-        match = re.fullmatch(r"(\d+)_.*\.sql", entry.name)
-        if match:
-            files.append((int(match.group(1)), entry.read_text(encoding="utf-8")))
-    return sorted(files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +75,10 @@ def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
 class Store:
     """Reads and writes pgjobs' tables in ``schema``."""
 
-    def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
+    def __init__(self, schema: str = DEFAULT_SCHEMA, *, auto_migrate: bool = True) -> None:
         self.schema = schema
+        #: apply pending migrations at the first :meth:`ensure` (else refuse)
+        self.auto_migrate = auto_migrate
         self._s = sql.Identifier(schema)
         self._ready = False
 
@@ -95,65 +87,12 @@ class Store:
 
     # -- installation ------------------------------------------------------
     def ensure(self, conn: Connection) -> None:
-        """Create or upgrade the schema; cheap after the first call."""
+        """Check the schema against this code and apply what is pending
+        (:func:`pgjobs.migrations.ensure`); cheap after the first call."""
         if self._ready:
             return
-        migrations = _migrations()
-        latest = migrations[-1][0]
-        with conn.begin():
-            current = self._version(conn)
-        if current < latest:
-            with conn.begin():
-                execute(
-                    conn,
-                    "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                    (f"pgjobs-store:{self.schema}",),
-                )
-                execute(conn, sql.SQL("create schema if not exists {}").format(self._s))
-                execute(
-                    conn,
-                    sql.SQL(
-                        "create table if not exists {} (version integer primary key,"
-                        " applied_at timestamptz not null default now())"
-                    ).format(self.table("schema_version")),
-                )
-                current = self._version(conn)
-                for number, text in migrations:
-                    if number > current:
-                        log.info(
-                            "pgjobs: applying store migration %03d in schema %s",
-                            number,
-                            self.schema,
-                        )
-                        execute(
-                            conn,
-                            sql.SQL(text).format(
-                                schema=self._s, schema_name=sql.Literal(self.schema)
-                            ),
-                        )
-                        execute(
-                            conn,
-                            sql.SQL("insert into {} (version) values (%s)").format(
-                                self.table("schema_version")
-                            ),
-                            (number,),
-                        )
+        migrations.ensure(conn, self.schema, auto_migrate=self.auto_migrate)
         self._ready = True
-
-    def _version(self, conn: Connection) -> int:
-        try:
-            with conn.begin_nested():
-                row = execute(
-                    conn,
-                    sql.SQL("select max(version) from {}").format(self.table("schema_version")),
-                ).fetchone()
-        except Exception as exc:  # undefined schema or table: not installed yet
-            if isinstance(
-                getattr(exc, "orig", exc), errors.UndefinedTable | errors.InvalidSchemaName
-            ):
-                return 0
-            raise
-        return int(row[0]) if row and row[0] is not None else 0
 
     # -- job state ---------------------------------------------------------
     def read_state(

@@ -11,7 +11,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     definitions  checks, registry, config, hookspecs, preflight
     protocol     runner, records, drift
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, locking, database, embedded, flow, cancel, heartbeat
+    writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, cancel, heartbeat
     model        jobs, results, errors, durations, backoff, logs
     base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
 
@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "target",
             "queue",
             "store",
+            "migrations",
             "locking",
             "database",
             "embedded",

@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- pgjobs' own tables. {schema} is composed with psycopg.sql.Identifier.
 
 create table {schema}.job_state (

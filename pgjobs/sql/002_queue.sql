@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- The built-in queue of QueueJob items. {schema} is composed with psycopg.sql.Identifier.
 
 create table {schema}.queue (

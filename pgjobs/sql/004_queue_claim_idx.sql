@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- The claim reads up to batch_size due items in key order. Through
 -- queue_due_idx that means reading and sorting every due entry of the job;
 -- this index serves the key order, so the claim stops after batch_size

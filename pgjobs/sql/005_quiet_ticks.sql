@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- Ticks that change nothing (idle, busy, not due, backing off) are counted
 -- here instead of each writing a row to the run log: with wake-ups reaching
 -- every replica, each enqueue would otherwise log one such row per replica.

@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- Flow (docs/DESIGN.md, "Flow"): a queue worker records, in its own
 -- transaction, the transaction id under which it rewrote each scope key of
 -- a target. A recompute that computed without the write lock drops from its

@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- Wake on enqueue (docs/DESIGN.md, "The queue and its worker"): an enqueue
 -- that adds or revives an entry notifies the job's channel in the caller's
 -- transaction. PostgreSQL delivers it at commit (an enqueue that rolls back

@@ -1,3 +1,4 @@
+-- pgjobs-migration: additive
 -- The outcomes of this release beside those of 001: a run cut off because
 -- its connection or server went away ('interrupted', not the job's failure),
 -- a tick of a paused job ('paused'), a run cancelled by a shutdown deadline

@@ -33,10 +33,17 @@ from .tick import Worker
 
 
 def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[str]]:
-    """Is a live item of ``job`` due? One index probe, taken before any lock."""
+    """Is a live item of ``job`` due? One index probe, taken before any lock.
+
+    The earliest due entry, not EXISTS: for a job with most of the queue,
+    the planner took EXISTS as a Seq Scan stopping at the first match, which
+    reads past every entry drained before it (13 ms against 0.04 ms at 1 M
+    entries, 500k drained: tests/test_plans.py); ORDER BY not_before is
+    what only queue_due_idx serves without a sort."""
     return (
         sql.SQL(
-            "select exists (select from {} where job = %s and dead_at is null and not_before <= now())"
+            "select (select 1 from {} where job = %s and dead_at is null and not_before <= now()"
+            " order by not_before limit 1) is not null"
         ).format(queue_table(ctx.schema)),
         (job.name,),
     )

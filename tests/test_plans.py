@@ -1,0 +1,213 @@
+"""Plan guards (as PgQueuer's test_query_plan_regression): on a queue of
+1 M entries and a ``job_state`` of 10k jobs, the statements that a real
+queue tick and the status read send use the indexes they were built for.
+
+The statements are the real ones: a cursor class records every statement
+(and its parameters) that pgjobs sends on the connection, and each one that
+reads ``queue``, ``run`` or ``job_state`` is explained afterwards on the same
+session (its session tables still there), with the same parameters.
+
+What each must use, and why (docs/DESIGN.md, "The queue and its worker"):
+
+* has_work: ``queue_due_idx`` (job, not_before) where dead_at is null: one
+  probe for a due, live entry however many wait;
+* the claim: ``queue_claim_idx`` (job, key) where dead_at is null, read in
+  key order and stopped after batch_size entries (no sort of every due
+  entry: migration 004), its re-check by the primary key;
+* the status read (``pgjobs status``, the page): each job's latest run by
+  one probe of ``run_job_started_idx`` (job, started_at desc).
+
+No plan over ``queue`` or ``run`` may read the table whole (Seq Scan).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from schema_tools import libpq
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Engine
+
+import pgjobs
+from pgjobs.store import Store
+
+ENTRIES = 1_000_000
+JOBS = 10_000
+RUNS_PER_JOB = 5
+
+FILL = f"""
+create table item (id int primary key, v int not null);
+create table derived (id int primary key, v int not null);
+create table derived_fk (id int primary key references item (id), v int not null);
+insert into item select g, g from generate_series(1, 1000) g;
+-- the worker's 600k entries (due, then 10k not yet due, then 1k dead), and
+-- 400k of 99 other jobs, in one statement
+insert into pgjobs.queue (job, key, enqueued_at, not_before, dead_at)
+select case when g <= 600000 then 'worker' else 'other-' || (g % 99) end,
+       jsonb_build_array(g), now() - interval '1 hour',
+       case when g between 580001 and 590000 then now() + interval '1 hour'
+            else now() - interval '1 minute' end,
+       case when g > 599000 and g <= 600000 then now() end
+from generate_series(1, {ENTRIES}) g;
+insert into pgjobs.job_state (job, next_attempt_at, failures, last_success_at)
+select 'job-' || g, now() + interval '1 minute', 0, now() from generate_series(1, {JOBS}) g;
+insert into pgjobs.run (job, outcome, started_at, finished_at)
+select 'job-' || (g % {JOBS} + 1), 'ran', now() - g * interval '1 s', now() - g * interval '1 s'
+from generate_series(1, {JOBS * RUNS_PER_JOB}) g;
+analyze pgjobs.job_state; analyze pgjobs.run;
+"""
+INDEXES = (
+    "select indexname, indexdef from pg_indexes where schemaname = 'pgjobs'"
+    " and tablename = 'queue' order by 1"
+)
+
+
+class Recording(psycopg.Cursor[Any]):
+    """Records each statement executed through it (a class attribute: the
+    connection's cursors come and go)."""
+
+    seen: list[tuple[str, Any]] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        text = query if isinstance(query, str) else query.as_string(self)
+        Recording.seen.append((text, params))
+        return super().execute(query, params, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def big(pg_server: str) -> Iterator[Engine]:
+    from pgjobs.testing import fresh_database
+
+    with fresh_database(pg_server, prefix="pgjobs_plans") as url:
+        pgjobs.install(url)
+        started = time.monotonic()
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            # The queue's indexes built after the rows, not row by row: the
+            # fill takes a third of the time. The same indexes, checked.
+            indexes = conn.execute(INDEXES).fetchall()
+            conn.execute(
+                "set maintenance_work_mem = '256MB'; set synchronous_commit = off;"
+                " alter table pgjobs.queue drop constraint queue_pkey;"
+                " drop index pgjobs.queue_due_idx, pgjobs.queue_claim_idx"
+            )
+            conn.execute(FILL.encode())
+            conn.execute(
+                "alter table pgjobs.queue add constraint queue_pkey primary key (job, key)"
+            )
+            for name, definition in indexes:
+                if name != "queue_pkey":
+                    conn.execute(definition)
+            assert conn.execute(INDEXES).fetchall() == indexes
+            conn.execute("analyze pgjobs.queue")
+        print(f"filled {ENTRIES:,} entries in {time.monotonic() - started:.1f} s")
+        engine = create_engine(url, connect_args={"cursor_factory": Recording})
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+
+
+def plans(conn: Any, tables: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """EXPLAIN (FORMAT JSON) of each recorded statement that names one of
+    ``tables``, on ``conn``'s session, in a transaction rolled back."""
+    raw = conn.connection.driver_connection
+    out = []
+    recorded, Recording.seen = Recording.seen, []
+    for text, params in recorded:
+        words = text.lower()
+        if not any(f'"pgjobs"."{t}"' in words for t in tables):
+            continue
+        if not words.lstrip().startswith(("select", "with", "insert", "update", "delete")):
+            continue
+        with raw.transaction(force_rollback=True):
+            row = raw.execute(
+                sql.SQL("explain (format json) ") + sql.SQL(text),  # type: ignore[arg-type]
+                params,
+            ).fetchone()
+        assert row is not None
+        out.append((text, row[0][0]["Plan"]))
+    Recording.seen = []
+    return out
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from nodes(child)
+
+
+def scans(plan: dict[str, Any], table: str) -> list[tuple[str, str | None]]:
+    """(node type, index) of each scan of ``table`` in ``plan``."""
+    return [
+        (n["Node Type"], n.get("Index Name"))
+        for n in nodes(plan)
+        if n.get("Relation Name") == table
+    ]
+
+
+def show(found: list[tuple[str, dict[str, Any]]]) -> str:
+    return "\n".join(f"{t[:200]}\n{json.dumps(p)[:2000]}" for t, p in found)
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("worker", "derived"), ("other-1", "derived_fk")],
+    ids=["claim-alone", "claim-with-parents"],
+)
+def test_the_queue_ticks_statements_use_their_indexes(big: Engine, name: str, target: str) -> None:
+    # A target without parents is claimed by one statement; one with a
+    # foreign key by the claim that locks the parents first.
+    job = pgjobs.QueueJob(
+        name=name,
+        target=target,
+        scope="id",
+        compute="select id, v from item where id = any(:keys)",
+        every="1h",
+        batch_size=100,
+    )
+    runner = pgjobs.Runner(big)
+    with big.connect() as conn:
+        runner.store.ensure(conn)
+        Recording.seen = []
+        result = runner.tick_on(conn, job)
+        assert result.outcome == "ran" and result.detail["claimed"] == 100, result
+        found = plans(conn, ("queue",))
+    assert found, "no statement of the tick read the queue"
+    for text, plan in found:
+        assert ("Seq Scan", None) not in scans(plan, "queue"), show([(text, plan)])
+
+    has_work = [(t, p) for t, p in found if "not_before <= now() order by not_before" in t.lower()]
+    assert has_work, show(found)
+    for text, plan in has_work:
+        used = {index for _, index in scans(plan, "queue")}
+        assert used == {"queue_due_idx"}, show([(text, plan)])
+
+    claims = [(t, p) for t, p in found if "skip locked" in t.lower()]
+    assert claims, show(found)
+    for text, plan in claims:
+        used = [index for _, index in scans(plan, "queue")]
+        # the due entries in key order (stopping at the batch), then the
+        # entries claimed re-read by their primary key
+        assert used and used[0] == "queue_claim_idx", show([(text, plan)])
+        assert set(used) <= {"queue_claim_idx", "queue_pkey"}, show([(text, plan)])
+        assert not [n for n in nodes(plan) if n["Node Type"] == "Sort"], show([(text, plan)])
+
+
+def test_the_status_read_probes_each_jobs_latest_run(big: Engine) -> None:
+    with big.connect() as conn, conn.begin():
+        Recording.seen = []
+        status = Store().status(conn)
+        assert len(status.states) >= JOBS and len(status.last) >= JOBS
+        found = plans(conn, ("run",))
+    assert len(found) == 2, show(found)  # each job's last run; its last that ran
+    for text, plan in found:
+        run = scans(plan, "run")
+        assert run, show([(text, plan)])
+        assert all(index == "run_job_started_idx" for _, index in run), show([(text, plan)])
+        assert scans(plan, "job_state") == [("Seq Scan", None)], show([(text, plan)])
