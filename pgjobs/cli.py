@@ -389,7 +389,7 @@ def _summary(result: RunResult) -> str:
             f"rows locked {result.lock_seconds:.2f}s"
         )
         return f"{head}: {', '.join(parts)}; {timing}"
-    if result.outcome is Outcome.FAILED:
+    if result.outcome in (Outcome.FAILED, Outcome.INTERRUPTED):
         state = f" (SQLSTATE {result.sqlstate})" if result.sqlstate else ""
         when = (
             f"; next scheduled attempt {result.next_attempt_at:%Y-%m-%d %H:%M:%S %Z}"
@@ -438,7 +438,9 @@ def once(
             click.echo(
                 f"pgjobs: note: {job} is disabled (enabled = false); running it anyway", err=True
             )
-        with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
+        with Runner(
+            url, namespace=config.namespace, schema=config.schema, call_timeout=config.call_timeout
+        ) as runner:
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
             with Display(job, sys.stderr) as progress:
@@ -447,7 +449,7 @@ def once(
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY):
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.INTERRUPTED):
             sys.exit(EXIT_FAILED)
 
 
