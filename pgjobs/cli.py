@@ -290,19 +290,19 @@ def run(
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
     """Start ``scheduler``; while the database cannot be reached, wait for it
     (one line says so), unless not ``wait``. False: stopped while waiting."""
-    from ._pg import connection_lost, first_line
+    from ._pg import unavailable, why_unavailable
 
     waiting_since: float | None = None
     while True:
         try:
             scheduler.start()
         except Exception as exc:
-            if not wait or not connection_lost(exc):
+            if not wait or not unavailable(exc):
                 raise
             if waiting_since is None:
                 waiting_since = time.monotonic()
                 click.echo(
-                    f"pgjobs: the database is unreachable ({first_line(exc)}); waiting for it"
+                    f"pgjobs: the database is unreachable ({why_unavailable(exc)}); waiting for it"
                     " (--exit-if-unreachable exits 3 instead)",
                     err=True,
                 )

@@ -54,7 +54,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from ._pg import connection_lost, first_line, sqlstate_of
+from ._pg import first_line, unavailable, why_unavailable
 from .checks import check_jobs
 from .database import transaction_pooling
 from .deadline import DEFAULT_CALL_TIMEOUT
@@ -267,6 +267,7 @@ class Scheduler:
                     wake=self.wake,
                     on_lost=_lost_listening,
                     on_back=_listening_again,
+                    check_timeout=self.runner.call_timeout,
                 )
                 self.listener.start()
             log.info(
@@ -408,7 +409,7 @@ class Scheduler:
         try:
             result = self.runner.tick(job, next_due=self._next_due(job), progress=progress)
         except Exception as exc:
-            if connection_lost(exc) or sqlstate_of(exc) == "25006":
+            if unavailable(exc):
                 # a tick that could not start: the database is away (or read-only,
                 # a standby); tried again soon, without a word each time
                 self._outage.down(exc)
@@ -478,8 +479,8 @@ def _lost_listening(exc: BaseException) -> None:
     )
 
 
-def _listening_again() -> None:
-    log.warning("pgjobs: listening for enqueues again")
+def _listening_again(server: str) -> None:
+    log.warning("pgjobs: listening for enqueues again, on %s", server)
 
 
 def _claimed(job: Job, result: RunResult) -> tuple[int, int]:
@@ -521,14 +522,10 @@ class _Outage:
             if self._since is not None:
                 return
             self._since = time.monotonic()
-        if sqlstate_of(exc) == "25006":
-            why = f"a read-only server, SQLSTATE 25006: {first_line(exc)}"
-        else:
-            why = first_line(exc)
         log.warning(
             "pgjobs: the database is unreachable (%s); the jobs wait for it, trying again"
             " within seconds",
-            why,
+            why_unavailable(exc),
         )
         log.debug("pgjobs: the error", exc_info=exc)
 
