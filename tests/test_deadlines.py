@@ -12,6 +12,7 @@ waits that a deadline itself must end.
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -380,3 +381,59 @@ def test_a_backend_terminated_mid_tick_is_retried_within_seconds_without_backoff
     assert not any("backing off" in line for line in lines), lines
     assert sum("k: interrupted" in line for line in lines) == 1, lines
     assert sum("k: gets through again" in line for line in lines) == 1, lines
+
+
+def test_status_and_metrics_show_interruptions_since_the_last_run(
+    engine: Engine, db_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from pgjobs.cli import cli
+    from pgjobs.metrics import Metrics
+
+    pids: list[int] = []
+    sleeping = threading.Event()
+    cut = threading.Event()
+
+    def body(conn):
+        if len(pids) < 3:
+            pids.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+            if len(pids) > 1:  # the first one runs
+                sleeping.set()
+                conn.execute(text("select pg_sleep(60)"))
+        return None
+
+    def terminate() -> None:
+        for _ in range(2):
+            assert sleeping.wait(WAIT)
+            sleeping.clear()
+            with engine.connect() as admin:
+                admin.execute(text("select pg_terminate_backend(:p)"), {"p": pids[-1]})
+        cut.set()
+
+    job = pgjobs.TaskJob(name="flaky", run=body)
+    metrics = Metrics()
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    with pgjobs.Runner(engine) as runner:
+        outcomes = []
+        for _ in range(3):
+            result = runner.tick(job, force=True)
+            metrics.observe(result)
+            outcomes.append(str(result.outcome))
+    killer.join(WAIT)
+    assert outcomes == ["ran", "interrupted", "interrupted"]
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(cli, ["status", "--database", db_url, "--json"])
+    assert shown.exit_code == 0, shown.output  # interrupted is not failing
+    (row,) = json.loads(shown.output)["jobs"]
+    assert (row["job"], row["last_outcome"], row["interrupted"], row["failures"]) == (
+        "flaky",
+        "interrupted",
+        2,
+        0,
+    )
+    table = CliRunner().invoke(cli, ["status", "--database", db_url])
+    assert "interrupted (2 interrupted)" in table.output, table.output
+    exposition = metrics.exposition().decode()
+    assert 'pgjobs_runs_total{job="flaky",outcome="interrupted"} 2.0' in exposition
