@@ -49,8 +49,9 @@ class Proxy:
     kernel still sees a live peer); connections made after it are
     forwarded as usual."""
 
-    def __init__(self, port: int) -> None:
-        self.target = port
+    def __init__(self, target: int | str) -> None:
+        #: a TCP port on 127.0.0.1, or a Unix socket's path
+        self.target = target
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.lock = threading.Lock()
@@ -64,7 +65,11 @@ class Proxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            if isinstance(self.target, int):
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            else:
+                upstream = socket.socket(socket.AF_UNIX)
+                upstream.connect(self.target)
             frozen = threading.Event()
             with self.lock:
                 self.pairs.append((client, upstream, frozen))
@@ -110,8 +115,12 @@ class Proxy:
 
 @pytest.fixture
 def proxy(db_url: str) -> Iterator[Proxy]:
-    port = make_url(db_url).port or 5432
-    p = Proxy(port)
+    url = make_url(db_url)
+    host = url.host or url.query.get("host")
+    target: int | str = url.port or 5432
+    if isinstance(host, str) and host.startswith("/"):  # the embedded server's socket
+        target = f"{host}/.s.PGSQL.{url.port or 5432}"
+    p = Proxy(target)
     try:
         yield p
     finally:
@@ -119,11 +128,8 @@ def proxy(db_url: str) -> Iterator[Proxy]:
 
 
 def through(db_url: str, proxy: Proxy) -> str:
-    return (
-        make_url(db_url)
-        .set(host="127.0.0.1", port=proxy.port)
-        .render_as_string(hide_password=False)
-    )
+    url = make_url(db_url).difference_update_query(["host"])
+    return url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
 
 class Results:
@@ -437,3 +443,28 @@ def test_status_and_metrics_show_interruptions_since_the_last_run(
     assert "interrupted (2 interrupted)" in table.output, table.output
     exposition = metrics.exposition().decode()
     assert 'pgjobs_runs_total{job="flaky",outcome="interrupted"} 2.0' in exposition
+
+
+def test_engines_made_from_a_url_keep_alive_bound_their_connects_and_commit_locally(
+    db_url: str,
+) -> None:
+    from pgjobs.database import resolve_engine
+
+    url = make_url(db_url).update_query_dict({"keepalives_idle": "42"})
+    engine, owned = resolve_engine(url.render_as_string(hide_password=False))
+    assert owned
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            params = {o.keyword.decode(): o.val for o in raw.pgconn.info}  # type: ignore[union-attr]
+            local = conn.exec_driver_sql("show synchronous_commit").scalar_one()
+    finally:
+        engine.dispose()
+    assert params["keepalives_idle"] == b"42"  # the URL's own, kept
+    assert (params["keepalives"], params["keepalives_interval"], params["keepalives_count"]) == (
+        b"1",
+        b"5",
+        b"3",
+    )
+    assert (params["tcp_user_timeout"], params["connect_timeout"]) == (b"20000", b"5")
+    assert local == "local"
