@@ -122,7 +122,7 @@ def resolve_engine(
     sets its own (:mod:`pgjobs.deadline`).
     """
     if isinstance(database, Engine):
-        bound_engine(database, call_timeout)
+        bound_engine(database, call_timeout, own=False)
         return database, False
     url = database if database is not None else os.environ.get(ENV_URL)
     if not url:

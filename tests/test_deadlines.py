@@ -227,8 +227,10 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
 def test_a_bounded_round_trip_abandons_its_connection_and_the_pool_connects_afresh(
     engine: Engine,
 ) -> None:
+    """pgjobs' use of an Engine of the user's is bounded (call_timeout);
+    the user's own statements on it are not."""
     with pgjobs.Runner(engine, call_timeout="0.3s") as runner:
-        with runner.engine.connect() as conn:
+        with runner.connect() as conn:
             first = conn.execute(text("select pg_backend_pid()")).scalar_one()
             started = time.monotonic()
             with pytest.raises(Exception) as caught:
@@ -236,12 +238,15 @@ def test_a_bounded_round_trip_abandons_its_connection_and_the_pool_connects_afre
             assert time.monotonic() - started < 2.0
             assert isinstance(caught.value.orig, DeadlineExceeded)  # type: ignore[attr-defined]
             assert conn.invalidated
-        with runner.engine.connect() as conn:
+        with runner.connect() as conn:
             assert conn.execute(text("select pg_backend_pid()")).scalar_one() != first
-            # a block of its own bound, and the engine's bound after it
+            # a block of its own bound, and the runner's bound after it
             with bounded(conn, 5.0):
                 conn.execute(text("select pg_sleep(0.5)"))
-            conn.execute(text("select 1"))
+            with pytest.raises(Exception, match=r"no answer from the server within 0\.3 s"):
+                conn.execute(text("select pg_sleep(0.6)"))
+        with engine.connect() as conn:  # the user's own: no deadline
+            conn.execute(text("select pg_sleep(0.6)"))
 
 
 # -- half-open connections --------------------------------------------------------------
