@@ -473,3 +473,52 @@ def test_engines_made_from_a_url_keep_alive_bound_their_connects_and_commit_loca
     )
     assert (params["tcp_user_timeout"], params["connect_timeout"]) == (b"20000", b"5")
     assert local == "local"
+
+
+@pytest.mark.parametrize("how", ["cancel", "abandon"])
+def test_a_statement_running_in_another_thread_is_cancelled_or_abandoned(
+    db_url: str, how: str
+) -> None:
+    """What a shutdown deadline uses: from another thread, cancel the
+    running statement (the connection stays usable), or abandon the
+    connection (its blocked wait returns at once, the connection broken)."""
+    import psycopg
+
+    from pgjobs.deadline import abandon_connection, cancel_statement
+
+    raw = psycopg.connect(db_url.replace("postgresql+psycopg://", "postgresql://"))
+    running = threading.Event()
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            running.set()
+            raw.execute("select pg_sleep(30)")
+        except BaseException as exc:  # what the statement's thread sees
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert running.wait(WAIT)
+    wait_until(
+        lambda: raw.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE,
+        what="the statement running",
+    )
+    started = time.monotonic()
+    if how == "cancel":
+        assert cancel_statement(raw, timeout=5.0)
+    else:
+        abandon_connection(raw)
+    thread.join(WAIT)
+    assert time.monotonic() - started < 3.0
+    (exc,) = caught
+    try:
+        if how == "cancel":
+            assert isinstance(exc, psycopg.errors.QueryCanceled)
+            raw.rollback()
+            assert raw.execute("select 1").fetchone() == (1,)
+        else:
+            assert isinstance(exc, psycopg.OperationalError)
+            assert raw.closed
+    finally:
+        raw.close()
