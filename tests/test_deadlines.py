@@ -175,6 +175,7 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
         conn.execute(text("create table item (id int primary key); insert into item values (1)"))
     pgjobs.Runner(engine).install()
     stuck_pid: list[int] = []
+    stuck_at: list[float] = []
     holder = engine.connect()
     holder.begin()
     holder.execute(text("select * from item for update"))
@@ -185,6 +186,7 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
         conn.execute(text("select set_config('statement_timeout', '0', true)"))
         conn.execute(text("select set_config('lock_timeout', '0', true)"))
         stuck_pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+        stuck_at.append(time.monotonic())
         if stuck == "pg_sleep":
             conn.execute(text("select pg_sleep(60)"))
         else:
@@ -196,7 +198,6 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
     )
     results = Results()
     scheduler = pgjobs.Scheduler([job], engine, on_result=results, call_timeout="1s")
-    started = time.monotonic()
     try:
         scheduler.start()
         wait_until(lambda: results.first(Outcome.RAN), what="the retry ran")
@@ -208,7 +209,8 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
     assert interrupted is not None, results.outcomes()
     assert "no answer from the server within 2.5 s" in (interrupted.error or "")
     assert interrupted.sqlstate == "08006"
-    assert 2.5 <= interrupted_at - started < 6.0  # at the deadline, not later
+    # at the deadline of the stuck round trip, not later
+    assert 2.5 <= interrupted_at - stuck_at[0] < 6.0, interrupted_at - stuck_at[0]
     assert ran_at - interrupted_at < 2.0  # retried within seconds (0.5 s)
     assert results.outcomes() == ["interrupted", "ran"]
     assert job_state(engine, "stuck")[0] == 0  # type: ignore[index]  # no failure, no backoff
@@ -355,7 +357,7 @@ def test_the_listener_notices_a_half_open_connection_and_listens_again(
         listener.stop()
         listener_engine.dispose()
     # silent for check_every (0.5 s), then a check unanswered for check_timeout (1 s)
-    assert 1.0 <= noticed < 3.5, noticed
+    assert 1.0 <= noticed < 5.0, noticed
     assert back == [f"127.0.0.1:{proxy.port}"]
     assert channel("pgjobs", "w") in listener.channels
 
