@@ -561,3 +561,27 @@ def test_interruptions_retry_soon_and_say_so_once_then_once_more_if_they_go_on(
     quiet.note("k", "down", quiet=True)
     quiet.clear("k")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_call_timeout_in_pgjobs_toml_reaches_the_runner_and_a_bad_one_names_the_key(
+    tmp_path, db_url: str
+) -> None:
+    from pgjobs.config import load_config
+
+    good = tmp_path / "pgjobs.toml"
+    good.write_text('call_timeout = "2s"\n')
+    config = load_config(good)
+    assert config.call_timeout == timedelta(seconds=2)
+    scheduler = pgjobs.Scheduler.from_config(config, database=db_url, check=False)
+    try:
+        assert scheduler.runner.call_timeout == 2.0
+    finally:
+        scheduler.shutdown()
+    for value, why in (('"soon"', "call_timeout"), ('"0s"', "call_timeout: must be positive")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f"call_timeout = {value}\n")
+        with pytest.raises(pgjobs.ConfigError, match=why) as caught:
+            load_config(bad)
+        assert str(bad) in str(caught.value)
+    with pytest.raises(pgjobs.ConfigError, match="call_timeout: must be positive"):
+        pgjobs.Runner(db_url, call_timeout=0)
