@@ -128,6 +128,16 @@ def bounded(conn: Connection, seconds: float) -> Iterator[None]:
             raw.pgjobs_bound = previous  # type: ignore[attr-defined]
 
 
+def bound_for_use(conn: Connection, seconds: float) -> None:
+    """Bound each round trip of ``conn`` (a SQLAlchemy connection) to
+    ``seconds`` until it goes back to its pool, its reset (a rollback)
+    included: the pool's checkin and checkout events set the bound again
+    (:func:`bound_engine`)."""
+    raw = _raw_of(conn)
+    if raw is not None:
+        bound(raw, seconds)
+
+
 def _raw_of(conn: Connection) -> psycopg.Connection[Any] | None:
     if conn.invalidated or conn.closed:
         return None
@@ -238,6 +248,7 @@ __all__ = [
     "abandon_connection",
     "bound",
     "bound_engine",
+    "bound_for_use",
     "bounded",
     "call_timeout_of",
     "cancel_statement",

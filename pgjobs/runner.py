@@ -40,7 +40,7 @@ from ._pg import (
     sqlstate_of,
 )
 from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
-from .deadline import DEFAULT_CALL_TIMEOUT, bounded
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded
 from .durations import Duration, parse_duration
 from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
@@ -193,7 +193,8 @@ class Runner:
         """A connection of the engine for pgjobs' bookkeeping: each of its
         round trips at most :attr:`call_timeout` (on an Engine of the
         user's too, where the user's own statements have no deadline)."""
-        with self.engine.connect() as conn, bounded(conn, self.call_timeout):
+        with self.engine.connect() as conn:
+            bound_for_use(conn, self.call_timeout)
             yield conn
 
     def close(self) -> None:
