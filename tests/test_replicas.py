@@ -218,3 +218,139 @@ def test_no_commit_of_pgjobs_waits_for_a_synchronous_standby_that_is_gone() -> N
             )
             == []
         )
+
+
+# -- a failover under pgjobs run --------------------------------------------------------
+def test_a_failover_is_not_slowed_by_pgjobs_and_the_listener_follows_the_new_primary(
+    primary: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Streaming replication with a synchronous standby, and a scheduler on
+    the multi-host URL (read-write) with a queue job woken by its listener.
+    The standby goes (a switchover takes it over): pgjobs' ticks go on and
+    none of its backends waits for it; the old primary's fast shutdown is
+    quick; the standby is promoted; the listener listens again on it (one
+    line naming it) and an enqueue there is processed at once."""
+    psql(primary.url, "create table item (id int primary key)")
+    psql(primary.url, "create table derived (id int primary key, n int not null)")
+    with pgjobs.Runner(primary.url) as runner:
+        runner.install()
+    standby = primary.standby()
+    try:
+        standby.start()
+        psql(primary.url, "alter system set synchronous_standby_names = '*'")
+        psql(primary.url, "select pg_reload_conf()")
+        wait_until(
+            lambda: psql(primary.url, "select sync_state from pg_stat_replication") == [("sync",)],
+            what="a synchronous standby",
+        )
+        job = pgjobs.QueueJob(
+            name="w",
+            target="derived",
+            scope="id",
+            every="1h",  # what runs it is the listener
+            compute="select id, id * 2 as n from item where id = any(:keys)",
+        )
+        url = url_of(primary, standby, query="target_session_attrs=read-write")
+        results = Results()
+        caplog.set_level(logging.INFO, logger="pgjobs")
+
+        def add(on: Cluster, n: int) -> None:
+            with psycopg.connect(on.url) as user:
+                user.execute("set synchronous_commit = local")
+                user.execute("insert into item values (%s)", (n,))
+                enqueue(user, "w", [n])
+
+        def derived(on: Cluster) -> int:
+            return psql(on.url, "select count(*) from derived")[0][0]  # type: ignore[return-value]
+
+        with pgjobs.Scheduler([job], url, on_result=results) as scheduler:
+            assert scheduler.listener is not None and scheduler.listener.listening.wait(WAIT)
+            add(primary, 1)
+            wait_until(lambda: derived(primary) == 1, what="item 1 on the primary")
+            standby.stop("fast")  # the synchronous standby is gone
+            add(primary, 2)
+            wait_until(lambda: derived(primary) == 2, what="item 2 without the standby")
+            waiting = psql(
+                primary.url,
+                "select count(*) from pg_stat_activity where wait_event = 'SyncRep'",
+            )
+            assert waiting == [(0,)]
+            # the worker's session holds temp tables: what a backend drops,
+            # in a commit of its own, as the fast shutdown ends it
+            temp = psql(primary.url, "select count(*) from pg_class where relpersistence = 't'")
+            assert temp[0][0] > 0, temp
+            started = time.monotonic()
+            primary.stop("fast")
+            shutdown = time.monotonic() - started
+            standby.start()
+            standby.promote()
+            wait_until(
+                lambda: any(
+                    "listening for enqueues again" in r.getMessage() for r in caplog.records
+                ),
+                what="the listener back",
+            )
+            add(standby, 3)
+            enqueued = time.monotonic()
+            wait_until(
+                lambda: (
+                    derived(standby) >= 1
+                    and psql(standby.url, "select count(*) from derived where id = 3") == [(1,)]
+                ),
+                what="item 3 on the new primary",
+            )
+            latency = time.monotonic() - enqueued
+        assert shutdown < 5.0, shutdown  # 60-90 s in the field
+        assert latency < 2.0, latency  # woken, not polled (every = 1h)
+        lines = [r.getMessage() for r in caplog.records]
+        back = [line for line in lines if "listening for enqueues again" in line]
+        assert back == [f"pgjobs: listening for enqueues again, on 127.0.0.1:{standby.port}"]
+        assert "failed" not in results.outcomes(), results.outcomes()
+        assert not any("backing off" in line for line in lines), lines
+    finally:
+        standby.remove()
+
+
+def test_an_exiting_session_with_temp_tables_waits_for_a_gone_standby_unless_local(
+    primary: Cluster,
+) -> None:
+    """The field's ``idle waiting for <LSN>``, shown: a session that made a
+    temp table, with the server's default ``synchronous_commit = on``,
+    does not end when its client goes while the synchronous standby is
+    gone (a fast shutdown then waited 60 s and gave up, measured here);
+    one of an engine pgjobs created (``synchronous_commit = local`` for the
+    session) ends at once."""
+    standby = primary.standby()
+    try:
+        standby.start()
+        psql(primary.url, "alter system set synchronous_standby_names = '*'")
+        psql(primary.url, "select pg_reload_conf()")
+        wait_until(
+            lambda: psql(primary.url, "select sync_state from pg_stat_replication") == [("sync",)],
+            what="a synchronous standby",
+        )
+        plain = psycopg.connect(primary.url)
+        plain.execute("set local synchronous_commit = local")  # its own commit goes through
+        plain.execute("create temp table t (n int)")
+        plain.commit()
+        engine, _ = resolve_engine(primary.url)
+        with engine.connect() as conn:
+            conn.execute(text("create temp table t (n int)"))
+            conn.commit()
+            ours = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+        theirs = plain.info.backend_pid
+        standby.stop("fast")
+        engine.dispose()
+        plain.close()
+
+        def alive(pid: int) -> bool:
+            return psql(
+                primary.url, f"select count(*) from pg_stat_activity where pid = {pid}"
+            ) == [(1,)]
+
+        wait_until(lambda: not alive(ours), timeout=5.0, what="pgjobs' backend gone")
+        time.sleep(1.0)  # the plain one is still there a second later, waiting
+        rows = psql(primary.url, f"select wait_event from pg_stat_activity where pid = {theirs}")
+        assert rows == [("SyncRep",)], rows
+    finally:
+        standby.remove()
