@@ -349,8 +349,13 @@ def test_an_exiting_session_with_temp_tables_waits_for_a_gone_standby_unless_loc
             ) == [(1,)]
 
         wait_until(lambda: not alive(ours), timeout=5.0, what="pgjobs' backend gone")
-        time.sleep(1.0)  # the plain one is still there a second later, waiting
-        rows = psql(primary.url, f"select wait_event from pg_stat_activity where pid = {theirs}")
-        assert rows == [("SyncRep",)], rows
+
+        def waits() -> bool:
+            query = f"select wait_event from pg_stat_activity where pid = {theirs}"
+            return psql(primary.url, query) == [("SyncRep",)]
+
+        # the plain one stays, waiting for the standby, until the server is killed
+        wait_until(waits, timeout=5.0, what="the plain backend waiting for the standby")
+        assert alive(theirs)
     finally:
         standby.remove()
