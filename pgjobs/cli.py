@@ -320,19 +320,19 @@ def _run_options(*, no_check: bool, strict: bool, shutdown_timeout: str | None) 
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
     """Start ``scheduler``; while the database cannot be reached, wait for it
     (one line says so), unless not ``wait``. False: stopped while waiting."""
-    from ._pg import connection_lost, first_line
+    from ._pg import unavailable, why_unavailable
 
     waiting_since: float | None = None
     while True:
         try:
             scheduler.start()
         except Exception as exc:
-            if not wait or not connection_lost(exc):
+            if not wait or not unavailable(exc):
                 raise
             if waiting_since is None:
                 waiting_since = time.monotonic()
                 click.echo(
-                    f"pgjobs: the database is unreachable ({first_line(exc)}); waiting for it"
+                    f"pgjobs: the database is unreachable ({why_unavailable(exc)}); waiting for it"
                     " (--exit-if-unreachable exits 3 instead)",
                     err=True,
                 )
@@ -419,7 +419,7 @@ def _summary(result: RunResult) -> str:
             f"rows locked {result.lock_seconds:.2f}s"
         )
         return f"{head}: {', '.join(parts)}; {timing}"
-    if result.outcome is Outcome.FAILED:
+    if result.outcome in (Outcome.FAILED, Outcome.INTERRUPTED):
         state = f" (SQLSTATE {result.sqlstate})" if result.sqlstate else ""
         when = (
             f"; next scheduled attempt {result.next_attempt_at:%Y-%m-%d %H:%M:%S %Z}"
@@ -476,7 +476,11 @@ def once(
                 f"pgjobs: note: {job} is disabled (enabled = false); running it anyway", err=True
             )
         with Runner(
-            url, namespace=config.namespace, schema=config.schema, auto_migrate=config.auto_migrate
+            url,
+            namespace=config.namespace,
+            schema=config.schema,
+            auto_migrate=config.auto_migrate,
+            call_timeout=config.call_timeout,
         ) as runner:
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
@@ -486,7 +490,7 @@ def once(
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.PAUSED):
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.PAUSED, Outcome.INTERRUPTED):
             sys.exit(EXIT_FAILED)
 
 
@@ -673,6 +677,8 @@ def _status(
                 "failures": state.get("failures", 0),
                 "last_error": state.get("last_error"),
                 "last_sqlstate": state.get("last_sqlstate"),
+                # runs cut off by a lost connection since it last ran (docs/failover.md)
+                "interrupted": read.interrupted.get(name, 0),
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
                 "paused": paused_of(state),
@@ -715,7 +721,8 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 table.append(
                     [
                         r["job"] + ("" if r["registered"] else " (unregistered)"),
-                        r["last_outcome"] or "never ran",
+                        (r["last_outcome"] or "never ran")
+                        + (f" ({r['interrupted']:,} interrupted)" if r["interrupted"] else ""),
                         _ago(r["last_at"], now),
                         _until(r["next_attempt_at"], now),
                         f"{r['failures']:,}",

@@ -8,6 +8,7 @@
     keep_runs = "7d"                        # prune pgjobs.run older than this ...
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
     auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
+    call_timeout = "10s"                    # deadline of a bookkeeping round trip
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -87,6 +88,7 @@ _TOP_KEYS = (
     "heartbeat_every",
     "shutdown_timeout",
     "auto_migrate",
+    "call_timeout",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -227,6 +229,9 @@ class Config:
     shutdown_timeout: timedelta | None = None
     #: apply pending migrations of pgjobs' schema at start (false: refuse; ``pgjobs migrate``)
     auto_migrate: bool = True
+    #: the deadline of each round trip of pgjobs' bookkeeping, and the margin
+    #: of a tick's (``docs/failover.md``)
+    call_timeout: timedelta = timedelta(seconds=10)
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -250,7 +255,7 @@ class Config:
                 parse_duration(getattr(self, name), field=name)
             except ConfigError as exc:
                 raise ConfigError(f"{self.source}: {exc}") from None
-        for name in ("prune_every", "heartbeat_every"):
+        for name in ("prune_every", "heartbeat_every", "call_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ConfigError(
                     f"{self.source}: {name}: must be positive, got {getattr(self, name)!r}"
@@ -462,7 +467,13 @@ class _Parser:
             if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
                 raise self.fail("plugins", "expected a list of module names", plugins)
             fields["plugins"] = tuple(plugins)
-        for name in ("keep_runs", "prune_every", "heartbeat_every", "shutdown_timeout"):
+        for name in (
+            "keep_runs",
+            "prune_every",
+            "heartbeat_every",
+            "shutdown_timeout",
+            "call_timeout",
+        ):
             if name in data:
                 fields[name] = self.duration(data[name], name)
         if "auto_migrate" in data:

@@ -377,6 +377,8 @@ def _attempt(
         )
         _set(conn, "lock_timeout", settings.millis("lock_timeout"))
         _set(conn, "statement_timeout", settings.millis("statement_timeout"))
+        # never wait for a synchronous standby (docs/failover.md)
+        _set(conn, "synchronous_commit", "local")
         found = plan(read(conn, schema), available)
         refusal = found.too_new()
         if refusal is not None:

@@ -2,24 +2,32 @@
 (:mod:`pgjobs.runner`): a failed run and the state it puts its job in, and
 the counts of the ticks that changed nothing (``idle``, ``busy``,
 ``not_due``, ``backing_off``, ``paused``), kept per job until the next
-write; and a run that a shutdown deadline cancelled."""
+write; the interruptions of each job (:class:`Interruptions`: runs cut off
+because the connection went away, :func:`interruption` tells them from
+failures), with the short retry delay of their own; the writes that outlive
+a tick (:class:`Ledger`), which never wait for a synchronous standby; and a
+run that a shutdown deadline cancelled."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import later, send
+from ._pg import connection_lost, first_line, later, send, set_local, sqlstate_of
+from .deadline import exceeded
+from .jobs import Job
 from .results import Outcome, RunResult
 from .store import Store
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,274 @@ class QuietTicks:
             later(conn, *self.store.quiet_query(job, counts, at, outcome))
 
 
+log = logging.getLogger("pgjobs.runner")
+
+#: pgjobs' own writes (failures, run records, tick counts, migrations) commit
+#: durably on this server without waiting for a synchronous standby: a
+#: commit waiting for one kept the old primary from shutting down for 60 s
+#: in a switchover (``docs/failover.md``)
+LOCAL_COMMIT = {"synchronous_commit": "local"}
+#: the statement that sets :data:`LOCAL_COMMIT`, to queue in a bookkeeping transaction
+LOCAL_COMMIT_SQL = set_local(LOCAL_COMMIT)
+#: seconds: the bound of one round trip of an installation (a migration may
+#: rewrite a table, or wait for another process installing)
+INSTALL_TIMEOUT = 300.0
+#: interrupted runs kept at most, while they cannot be written
+LATE_MAX = 100
+
+
+def tick_bound(job: Job, call_timeout: float) -> float:
+    """Seconds: the deadline of each round trip of ``job``'s ticks, its
+    ``lock_timeout`` + ``statement_timeout`` (what the server itself allows
+    a statement) + ``call_timeout`` as a margin; 0 (none) for a job without
+    a ``statement_timeout``."""
+    lock, statement = job.lock_timeout, job.statement_timeout
+    assert isinstance(lock, timedelta) and isinstance(statement, timedelta)
+    if statement <= timedelta(0):
+        return 0.0
+    return lock.total_seconds() + statement.total_seconds() + call_timeout
+
+
+def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None:
+    """(SQLSTATE, one line) when ``exc`` cut a run off without being the
+    job's fault: the connection is gone (class 08, 57P01-57P05, closed
+    under it), a deadline passed, or the server is a standby (a read-only
+    server, 25006: the URL reached a demoted primary or only a standby).
+    ``None``: the job's own failure."""
+    if exceeded(exc):
+        return "08006", f"no answer within the deadline: {first_line(exc)}"
+    if _read_only_server(conn):
+        return "25006", f"read-only server (SQLSTATE 25006): {first_line(exc)}"
+    if connection_lost(exc):
+        state = sqlstate_of(exc) or "08006"
+        return state, f"{first_line(exc)} (SQLSTATE {state})"
+    return None
+
+
+def _read_only_server(conn: Connection) -> bool:
+    """Is ``conn``'s server a hot standby, or read-only by default? Both
+    are reported by the server itself (PostgreSQL 14+): no round trip."""
+    if conn.invalidated or conn.closed:
+        return False
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection) or raw.closed:
+        return False
+    return "on" in (
+        raw.info.parameter_status("in_hot_standby"),
+        raw.info.parameter_status("default_transaction_read_only"),
+    )
+
+
+#: the first retry after an interruption, doubling up to :data:`RETRY_MAX`
+RETRY_FIRST = 0.5
+#: the longest wait between two retries of an interrupted job, in seconds:
+#: never the job's failure backoff (a failover is not the job's fault)
+RETRY_MAX = 8.0
+#: interruptions that go on this long (seconds, none getting through) are
+#: said once more, louder
+LONG_INTERRUPTION = 60.0
+
+
+@dataclass(slots=True)
+class _Streak:
+    count: int
+    since: float
+    last: str
+    told: bool = False
+    told_long: bool = False
+
+
+class Interruptions:
+    """Per job, the interruptions since its last tick that got through: how
+    long to wait before the next retry (:data:`RETRY_FIRST` doubling to
+    :data:`RETRY_MAX`), and the log lines: one at the first, one when they
+    have gone on for :data:`LONG_INTERRUPTION`, one when a tick gets
+    through again; the ones in between at DEBUG."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streaks: dict[str, _Streak] = {}
+
+    def note(self, job: str, why: str, *, quiet: bool = False) -> float:
+        """Count an interruption of ``job`` (``why``: one line); the seconds
+        to wait before trying it again. ``quiet``: a tick that could not
+        start (the scheduler says once that the database is away), not
+        logged on its own."""
+        now = time.monotonic()
+        with self._lock:
+            streak = self._streaks.get(job)
+            if streak is None:
+                streak = self._streaks[job] = _Streak(0, now, why)
+            streak.count += 1
+            streak.last = why
+            count, since = streak.count, streak.since
+            long = not streak.told_long and now - since >= LONG_INTERRUPTION
+            streak.told_long = streak.told_long or long
+            first = not streak.told and not quiet
+            streak.told = streak.told or first
+        delay = float(min(RETRY_FIRST * 2.0 ** (count - 1), RETRY_MAX))
+        if first:
+            log.warning(
+                "pgjobs: %s: interrupted (%s); not a failure of the job: retrying in %.1f s"
+                " on a fresh connection",
+                job,
+                why,
+                delay,
+            )
+        elif long:
+            log.warning(
+                "pgjobs: %s: interrupted %d times over %.0f s (last: %s); still retrying"
+                " every %.0f s at most",
+                job,
+                count,
+                now - since,
+                why,
+                RETRY_MAX,
+            )
+        else:
+            log.debug("pgjobs: %s: interrupted again (%s), retrying in %.1f s", job, why, delay)
+        return delay
+
+    def clear(self, job: str) -> None:
+        """A tick of ``job`` got through: the next interruption starts afresh."""
+        if job not in self._streaks:
+            return
+        with self._lock:
+            streak = self._streaks.pop(job, None)
+        if streak is not None and (streak.told or streak.told_long):
+            log.warning(
+                "pgjobs: %s: gets through again, after %d interruption(s) over %.1f s",
+                job,
+                streak.count,
+                time.monotonic() - streak.since,
+            )
+
+    def streak(self, job: str) -> tuple[int, float] | None:
+        """(interruptions, seconds since the first) of ``job``'s current streak."""
+        with self._lock:
+            streak = self._streaks.get(job)
+            return None if streak is None else (streak.count, time.monotonic() - streak.since)
+
+
+class Ledger:
+    """pgjobs' bookkeeping writes that outlive a tick: a failure recorded
+    on the tick's connection or a fresh one, an interrupted run written on
+    a fresh one; what the database cannot take now (it is away, or a
+    standby) is kept, and :meth:`flush` writes it (the runner calls it
+    before the next tick, or after one that got through). Every write
+    commits with :data:`LOCAL_COMMIT`."""
+
+    def __init__(
+        self,
+        store: Store,
+        worker: str,
+        quiet: QuietTicks,
+        connect: Callable[[], AbstractContextManager[Connection]],
+    ) -> None:
+        self.store = store
+        self.worker = worker
+        self.quiet = quiet
+        #: a bounded connection of the runner's engine
+        self.connect = connect
+        self._lock = threading.Lock()
+        #: failures that could not be written yet (the database was away), by job
+        self._unrecorded: dict[str, Failure] = {}
+        #: interrupted runs that could not be written yet, the last :data:`LATE_MAX`
+        self._late: list[RunResult] = []
+
+    @property
+    def failures_kept(self) -> bool:
+        return bool(self._unrecorded)
+
+    @property
+    def late_kept(self) -> bool:
+        return bool(self._late)
+
+    def flush(self) -> None:
+        """Write the failures and interrupted runs that could not be recorded
+        when they happened, and the counts of quiet ticks."""
+        with self._lock:
+            failures, self._unrecorded = self._unrecorded, {}
+            late, self._late = self._late, []
+        jobs = self.quiet.jobs()
+        if not failures and not jobs and not late:
+            return
+        try:
+            with self.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
+                for failure in failures.values():
+                    later(conn, *failure.state_query(self.store))
+                    later(conn, *self.store.run_query(failure.result, self.worker))
+                for result in late:
+                    later(conn, *self.store.run_query(result, self.worker))
+                for job in jobs:
+                    self.quiet.queue_for(conn, job)
+                send(conn)
+        except Exception:
+            with self._lock:
+                for job, failure in failures.items():
+                    self._unrecorded.setdefault(job, failure)
+                self._late = [*late, *self._late][-LATE_MAX:]
+            raise
+        for failure in failures.values():
+            log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
+
+    def record_failure(self, failure: Failure, conn: Connection) -> RunResult:
+        """Write ``failure`` on ``conn`` if it still works, else on a new
+        connection; else keep it and write it once the database answers
+        again (:meth:`flush`, before the next tick)."""
+        if not conn.invalidated:
+            try:
+                return self._save_failure(conn, failure)
+            except Exception:
+                log.debug(
+                    "pgjobs: recording %s's failure on its own connection failed",
+                    failure.result.job,
+                    exc_info=True,
+                )
+        try:
+            with self.connect() as other:
+                return self._save_failure(other, failure)
+        except Exception:
+            with self._lock:
+                self._unrecorded[failure.result.job] = failure
+            log.warning(
+                "pgjobs: %s: its failure cannot be recorded now (database unreachable);"
+                " kept until it can",
+                failure.result.job,
+            )
+            return failure.result
+
+    def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
+        with conn.begin():
+            later(conn, *LOCAL_COMMIT_SQL)
+            self.quiet.queue_for(conn, failure.result.job)
+            _, recorded = send(
+                conn,
+                failure.state_query(self.store),
+                self.store.run_query(failure.result, self.worker),
+            )
+        return replace(failure.result, run_id=int(recorded.scalar()))
+
+    def record_interrupted(self, result: RunResult) -> RunResult:
+        """Write an interrupted run to the run log, on a fresh connection, if
+        the database takes it (a standby does not: then it is kept, and
+        written after the next tick that gets through); its job's state is
+        left as it is."""
+        try:
+            with self.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
+                (recorded,) = send(conn, self.store.run_query(result, self.worker))
+            return replace(result, run_id=int(recorded.scalar()))
+        except Exception:
+            log.debug(
+                "pgjobs: %s: its interrupted run is kept for later", result.job, exc_info=True
+            )
+            with self._lock:
+                self._late = [*self._late, result][-LATE_MAX:]
+            return result
+
+
 def cancelled(job: str, started_at: datetime, finished_at: datetime) -> RunResult:
     """A run that a shutdown deadline cancelled (rolled back; not a failure)."""
     return RunResult(
@@ -102,9 +378,11 @@ def write_run(
         try:
             if use is None or use.invalidated:
                 with engine.connect() as other, other.begin():
+                    later(other, *LOCAL_COMMIT_SQL)
                     (recorded,) = send(other, store.run_query(result, worker))
             else:
                 with use.begin():
+                    later(use, *LOCAL_COMMIT_SQL)
                     (recorded,) = send(use, store.run_query(result, worker))
             return replace(result, run_id=int(recorded.scalar()))
         except Exception:
@@ -114,4 +392,13 @@ def write_run(
     return result
 
 
-__all__ = ["Failure", "QuietTicks", "cancelled", "write_run"]
+__all__ = [
+    "Failure",
+    "Interruptions",
+    "Ledger",
+    "QuietTicks",
+    "cancelled",
+    "interruption",
+    "tick_bound",
+    "write_run",
+]

@@ -24,6 +24,10 @@ class Outcome(StrEnum):
     #: a shutdown deadline cancelled the run's statement; rolled back, not a
     #: failure (no backoff)
     CANCELLED = "cancelled"
+    #: the connection was lost under the tick (the server shut the session
+    #: down, a failover, a deadline passed, a read-only server): rolled back,
+    #: retried within seconds on a fresh connection, without the job's backoff
+    INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,5 +109,5 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        """Everything but ``failed``."""
-        return self.outcome is not Outcome.FAILED
+        """Everything but ``failed`` and ``interrupted``."""
+        return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED)

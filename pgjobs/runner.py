@@ -15,12 +15,13 @@ Why each step is as it is: ``docs/DESIGN.md``, "The run protocol".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,8 +40,9 @@ from ._pg import (
     set_local,
     sqlstate_of,
 )
-from .cancel import cancel_statement
 from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded, cancel_statement
+from .durations import Duration, parse_duration
 from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
@@ -54,7 +56,18 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
-from .records import Failure, QuietTicks, cancelled, write_run
+from .records import (
+    INSTALL_TIMEOUT,
+    LOCAL_COMMIT_SQL,
+    Failure,
+    Interruptions,
+    Ledger,
+    QuietTicks,
+    cancelled,
+    interruption,
+    tick_bound,
+    write_run,
+)
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -100,7 +113,6 @@ def utcnow() -> datetime:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
-_SYNC_COMMIT = {"synchronous_commit": "on"}
 
 
 def _job_settings(job: Job) -> dict[str, str]:
@@ -114,7 +126,9 @@ def _job_settings(job: Job) -> dict[str, str]:
         value = getattr(job, name)
         assert isinstance(value, timedelta)
         values[name] = f"{int(value.total_seconds() * 1000)}ms"
-    values["synchronous_commit"] = "on" if job.synchronous_commit else "off"
+    # "local", not "on": a commit waits for this server's disk, never for a
+    # synchronous standby (which a failover may have taken away)
+    values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
     values["client_connection_check_interval"] = "1000ms"
     return values
 
@@ -156,21 +170,30 @@ class Runner:
         clock: Clock = utcnow,
         worker: str | None = None,
         auto_migrate: bool = True,
+        call_timeout: Duration = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         for name, value in (("namespace", namespace), ("schema", schema)):
             if not isinstance(value, str) or not value or "\x00" in value:
                 raise ConfigError(
                     f"{name}: expected a non-empty string without NUL bytes, got {value!r}"
                 )
-        self.engine, self._owned = resolve_engine(database)
+        timeout = parse_duration(call_timeout, field="call_timeout")
+        if timeout <= timedelta(0):
+            raise ConfigError(f"call_timeout: must be positive, got {call_timeout!r}")
+        #: seconds: the deadline of each round trip of pgjobs' bookkeeping
+        #: (and the margin of a tick's, see :func:`tick_bound`)
+        self.call_timeout = timeout.total_seconds()
+        self.engine, self._owned = resolve_engine(database, call_timeout=self.call_timeout)
         self.namespace = namespace
         self.store = Store(schema, auto_migrate=auto_migrate)
         self.clock = clock
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.quiet = QuietTicks(self.store)
-        #: failures that could not be written yet (the database was away), by job
-        self._unrecorded: dict[str, Failure] = {}
-        self._unrecorded_lock = threading.Lock()
+        #: runs cut off by a lost connection, per job, and their retry delay
+        self.interruptions = Interruptions()
+        #: what ticks could not write when they happened, written later
+        self.ledger = Ledger(self.store, self.worker, self.quiet, self.connect)
+
         #: the ticks running now, for :meth:`cancel_running`
         self._running: set[_Tick] = set()
         self._running_lock = threading.Lock()
@@ -186,6 +209,15 @@ class Runner:
             tick.cancel()
         return [tick.job.name for tick in ticks]
 
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A connection of the engine for pgjobs' bookkeeping: each of its
+        round trips at most :attr:`call_timeout` (on an Engine of the
+        user's too, where the user's own statements have no deadline)."""
+        with self.engine.connect() as conn:
+            bound_for_use(conn, self.call_timeout)
+            yield conn
+
     def close(self) -> None:
         """Write what is still counted or unrecorded (if the database is
         there), and dispose of the engine if this runner created it."""
@@ -197,64 +229,19 @@ class Runner:
             self.engine.dispose()
 
     def flush(self) -> None:
-        """Write the failures that could not be recorded when they happened,
-        and the counts of quiet ticks, to ``job_state`` and the run log."""
-        with self._unrecorded_lock:
-            failures, self._unrecorded = self._unrecorded, {}
-        jobs = self.quiet.jobs()
-        if not failures and not jobs:
-            return
-        try:
-            with self.engine.connect() as conn, conn.begin():
-                for failure in failures.values():
-                    later(conn, *failure.state_query(self.store))
-                    later(conn, *self.store.run_query(failure.result, self.worker))
-                for job in jobs:
-                    self.quiet.queue_for(conn, job)
-                send(conn)
-        except Exception:
-            with self._unrecorded_lock:
-                for job, failure in failures.items():
-                    self._unrecorded.setdefault(job, failure)
-            raise
-        for failure in failures.values():
-            log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
+        """Write the failures and interrupted runs that could not be recorded
+        when they happened, and the counts of quiet ticks (:class:`Ledger`)."""
+        self.ledger.flush()
 
     def record_failure(self, failure: Failure, conn: Connection) -> RunResult:
         """Write ``failure`` on ``conn`` if it still works, else on a new
-        connection; else keep it and write it once the database answers
-        again (:meth:`flush`, before the next tick)."""
-        if not conn.invalidated:
-            try:
-                return self._save_failure(conn, failure)
-            except Exception:
-                log.debug(
-                    "pgjobs: recording %s's failure on its own connection failed",
-                    failure.result.job,
-                    exc_info=True,
-                )
-        try:
-            with self.engine.connect() as other:
-                return self._save_failure(other, failure)
-        except Exception:
-            with self._unrecorded_lock:
-                self._unrecorded[failure.result.job] = failure
-            log.warning(
-                "pgjobs: %s: its failure cannot be recorded now (database unreachable);"
-                " kept until it can",
-                failure.result.job,
-            )
-            return failure.result
+        connection; else keep it for :meth:`flush` (:class:`Ledger`)."""
+        return self.ledger.record_failure(failure, conn)
 
-    def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
-        with conn.begin():
-            self.quiet.queue_for(conn, failure.result.job)
-            _, recorded = send(
-                conn,
-                failure.state_query(self.store),
-                self.store.run_query(failure.result, self.worker),
-            )
-        return replace(failure.result, run_id=int(recorded.scalar()))
+    def record_interrupted(self, result: RunResult) -> RunResult:
+        """Write an interrupted run to the run log, or keep it for later
+        (:class:`Ledger`); its job's state is left as it is."""
+        return self.ledger.record_interrupted(result)
 
     def __enter__(self) -> Runner:
         return self
@@ -266,7 +253,13 @@ class Runner:
         """Check pgjobs' schema and apply pending migrations unless
         ``auto_migrate`` is off (then refuse: :class:`~pgjobs.SchemaError`);
         the first tick does it too."""
-        with self.engine.connect() as conn:
+        with self.connect() as conn:
+            self._ensure(conn)
+
+    def _ensure(self, conn: Connection) -> None:
+        if self.store._ready:
+            return
+        with bounded(conn, max(INSTALL_TIMEOUT, self.call_timeout)):
             self.store.ensure(conn)
 
     def tick(
@@ -285,13 +278,19 @@ class Runner:
         schedule and the backoff (never the lock); ``run_paused`` a pause
         (``pgjobs pause``), which otherwise ends the tick ``paused``.
         """
-        if self._unrecorded:
+        if self.ledger.failures_kept:
             self.flush()
-        with self.engine.connect() as conn:
-            self.store.ensure(conn)
-            return self.tick_on(
+        with self.connect() as conn:
+            self._ensure(conn)
+            result = self.tick_on(
                 conn, job, progress=progress, next_due=next_due, force=force, run_paused=run_paused
             )
+        if self.ledger.late_kept and result.outcome is not Outcome.INTERRUPTED:
+            try:
+                self.flush()
+            except Exception:
+                log.debug("pgjobs: the interrupted runs kept are not written yet", exc_info=True)
+        return result
 
     def tick_on(
         self,
@@ -303,22 +302,28 @@ class Runner:
         force: bool = False,
         run_paused: bool = False,
     ) -> RunResult:
-        """:meth:`tick` on a connection of the caller's (not in a transaction)."""
+        """:meth:`tick` on a connection of the caller's (not in a transaction).
+        Each of its round trips has the job's deadline (:func:`tick_bound`)."""
         tick = _Tick(self, conn, job, progress=progress, next_due=next_due, force=force)
         tick.run_paused = run_paused
         with self._running_lock:
             self._running.add(tick)
         try:
-            return tick.run()
+            with bounded(conn, tick_bound(job, self.call_timeout)):
+                result = tick.run()
         finally:
             with self._running_lock:
                 self._running.discard(tick)
+        if result.outcome is not Outcome.INTERRUPTED:
+            self.interruptions.clear(job.name)
+        return result
 
     def prune(self, keep: timedelta = timedelta(days=7)) -> int:
         """Delete run records older than ``keep``; returns how many."""
-        with self.engine.connect() as conn:
-            self.store.ensure(conn)
+        with self.connect() as conn:
+            self._ensure(conn)
             with conn.begin():
+                send(conn, LOCAL_COMMIT_SQL)
                 return self.store.prune(conn, keep=keep, now=self.clock())
 
 
@@ -375,7 +380,10 @@ class _Tick:
             if self.ending:
                 return
             self.cancelled = True
-            cancel_statement(self.conn)
+            conn = self.conn
+            raw = None if conn.invalidated or conn.closed else conn.connection.driver_connection
+            if isinstance(raw, psycopg.Connection):
+                cancel_statement(raw, timeout=CANCEL_TIMEOUT)
 
     def _end(self) -> bool:
         """From here on the tick's statements are its rollback and its record
@@ -680,6 +688,30 @@ class _Tick:
             self.conn.invalidate()
 
     # -- step 6 ----------------------------------------------------------------------
+    def _interrupted(self, exc: Exception, why: tuple[str, str]) -> RunResult:
+        """A run cut off by a lost connection (or a standby): rolled back,
+        recorded as ``interrupted`` if the database takes it, retried soon
+        (``retry_after``); the job's state and backoff are left alone."""
+        sqlstate, line = why
+        if self._trans_open():
+            abandon(self.conn, self.trans)
+        delay = self.runner.interruptions.note(self.job.name, line)
+        result = RunResult(
+            job=self.job.name,
+            outcome=Outcome.INTERRUPTED,
+            started_at=self.started,
+            finished_at=self.runner.clock(),
+            error=_error_text(exc),
+            sqlstate=sqlstate,
+            retry_after=timedelta(seconds=delay),
+        )
+        log.debug("pgjobs: %s: the interruption", self.job.name, exc_info=exc)
+        return self.runner.record_interrupted(result)
+
+    def _trans_open(self) -> bool:
+        trans: RootTransaction | None = getattr(self, "trans", None)
+        return trans is not None and trans.is_active
+
     def _failure(self, exc: Exception) -> Failure:
         job, state = self.job, self.state
         failures = (state.failures if state else 0) + 1
@@ -703,10 +735,14 @@ class _Tick:
         that no replica can start the job between the failure and its
         backoff. When that transaction is gone (the connection was lost, or
         COMMIT itself failed), so is the lock: recorded elsewhere. A tick
-        that a shutdown deadline cancelled rolls back and ends ``cancelled``."""
+        that a shutdown deadline cancelled rolls back and ends ``cancelled``;
+        a lost connection is no failure of the job: :meth:`_interrupted`."""
         if self._end():
             abandon(self.conn, self.trans)
             return self._record_cancelled()
+        why = interruption(exc, self.conn)
+        if why is not None:
+            return self._interrupted(exc, why)
         failure = self._failure(exc)
         if open_transaction(self.conn):
             try:
@@ -714,7 +750,7 @@ class _Tick:
                 *_, recorded = send(
                     self.conn,
                     (_ROLLBACK_RUN, None),
-                    set_local(_SYNC_COMMIT),
+                    LOCAL_COMMIT_SQL,
                     failure.state_query(self.store),
                     self.store.run_query(failure.result, self.runner.worker),
                     commit=self.trans,
@@ -733,6 +769,9 @@ class _Tick:
         """A failure before the lock (the work check): recorded on its own."""
         if self._end():
             return self._record_cancelled()
+        why = interruption(exc, self.conn)
+        if why is not None:
+            return self._interrupted(exc, why)
         return self.runner.record_failure(self._failure(exc), self.conn)
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:
@@ -763,6 +802,8 @@ _told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
 _LOCK_TIMEOUT = sql.SQL("select set_config('lock_timeout', %s, true)")
+#: the longest a shutdown's cancel request may take (connect, send, the answer)
+CANCEL_TIMEOUT = 2.0
 #: the longest a flow worker waits for the group's write lock (a recompute's
 #: chunk, or its start snapshot); then ``busy``
 FLOW_WAIT = timedelta(seconds=2)

@@ -11,9 +11,9 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     definitions  checks, registry, config, hookspecs, preflight
     protocol     runner, records, drift
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, cancel, heartbeat
+    writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, heartbeat
     model        jobs, results, errors, durations, backoff, logs
-    base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
+    base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
 
 A module not listed is refused: put it on a floor. Exit 1 with what is
 wrong; ``--graph`` prints every arrow. Run by ``scripts/check`` (and CI).
@@ -64,12 +64,11 @@ LAYERS: list[tuple[str, set[str]]] = [
             "embedded",
             "listener",
             "flow",
-            "cancel",
             "heartbeat",
         },
     ),
     ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),
-    ("base", {"_pg"}),
+    ("base", {"_pg", "deadline"}),
 ]
 
 
