@@ -75,8 +75,10 @@ class Heartbeat:
         self._failing = False
 
     def start(self) -> None:
+        """The first beat now (a database that cannot take it, away or a
+        standby, is the scheduler's to say), then one every ``every``."""
         self._stop.clear()
-        self.beat()
+        self._try_beat()
         self._thread = threading.Thread(target=self._loop, name="pgjobs-heartbeat", daemon=True)
         self._thread.start()
 
@@ -110,15 +112,18 @@ class Heartbeat:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every.total_seconds()):
-            try:
-                self.beat()
-            except Exception as exc:
-                # the scheduler's one line says when the database is away
-                if not self._failing:
-                    log.debug("pgjobs: heartbeat not recorded (%s)", first_line(exc))
-                self._failing = True
-            else:
-                self._failing = False
+            self._try_beat()
+
+    def _try_beat(self) -> None:
+        try:
+            self.beat()
+        except Exception as exc:
+            # the scheduler's one line says when the database is away
+            if not self._failing:
+                log.debug("pgjobs: heartbeat not recorded (%s)", first_line(exc))
+            self._failing = True
+        else:
+            self._failing = False
 
 
 def read_schedulers(conn: Connection, schema: str) -> list[dict[str, Any]]:

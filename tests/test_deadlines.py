@@ -502,10 +502,23 @@ def test_a_statement_running_in_another_thread_is_cancelled_or_abandoned(
     thread = threading.Thread(target=run)
     thread.start()
     assert running.wait(WAIT)
-    wait_until(
-        lambda: raw.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE,
-        what="the statement running",
-    )
+    pid = raw.info.backend_pid
+    with psycopg.connect(
+        db_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+    ) as watcher:
+        # running on the server, not only sent: a cancel that arrives before
+        # the statement starts finds nothing to cancel
+        wait_until(
+            lambda: (
+                watcher.execute(
+                    "select exists (select from pg_stat_activity where pid = %s"
+                    " and state = 'active' and query like 'select pg_sleep%%')",
+                    (pid,),
+                ).fetchone()
+                == (True,)
+            ),
+            what="the statement running on the server",
+        )
     started = time.monotonic()
     if how == "cancel":
         assert cancel_statement(raw, timeout=5.0)
