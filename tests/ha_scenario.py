@@ -73,6 +73,8 @@ BOOT = (
     "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True);"
     " from pgjobs.cli import main; sys.argv[0] = 'pgjobs'; main()"
 )
+#: the words of pgjobs run's lines worth reporting
+NOTABLE = ("fail", "backing off", "listening", "unreachable", "answers", "interrupt", "Error")
 #: how long SIGTERM may take to stop `pgjobs run` (it waits for the running tick)
 SHUTDOWN_BOUND = 10.0
 #: client-side bounds of the users' connections
@@ -331,6 +333,19 @@ def scenario(
     config = workdir / f"{name}.toml"
     config.write_text(textwrap.dedent(CONFIG))
     run = PgjobsRun(url, config) if with_pgjobs else None
+    try:
+        out = _live(f, kind, conninfo, run, before=before, after=after)
+    finally:
+        if run is not None and run.process.poll() is None:
+            run.process.kill()  # only where the scenario broke before its SIGTERM
+            run.process.wait(10)
+    f.wait_healthy()  # the next scenario starts from a formation like this one's
+    return out
+
+
+def _live(
+    f: Formation, kind: str, conninfo: str, run: PgjobsRun | None, *, before: float, after: float
+) -> Outcome:
     if run is not None:
         run.wait_for("pgjobs: running 1 job(s)")
     users = Users(conninfo)
@@ -341,7 +356,7 @@ def scenario(
         time.sleep(max(0.0, failover.writable_at + after - time.time()))  # users go on
     finally:
         users.stop()
-    out = Outcome(failover, with_pgjobs, commits=users.commits, user_errors=dict(users.errors))
+    out = Outcome(failover, run is not None, commits=users.commits, user_errors=dict(users.errors))
     if run is not None:
         out.drained = _drain(conninfo, timeout=30.0)
         if not out.drained:
@@ -350,15 +365,8 @@ def scenario(
         out.stop_s, out.exit_code = run.stop()
         lines = run.output()
         out.traceback = any("Traceback" in line for line in lines)
-        out.notable = [
-            line
-            for line in lines
-            if any(
-                w in line for w in ("fail", "backing off", "listening", "unreachable", "answers")
-            )
-        ]
+        out.notable = [line for line in lines if any(w in line for w in NOTABLE)]
     _measure(conninfo, out, users)
-    f.wait_healthy()  # the next scenario starts from a formation like this one's
     return out
 
 
