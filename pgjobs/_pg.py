@@ -97,6 +97,19 @@ def connection_lost(exc: BaseException) -> bool:
     return False
 
 
+def unavailable(exc: BaseException) -> bool:
+    """Is the database away (:func:`connection_lost`), or a read-only server
+    (SQLSTATE 25006: the URL reached a standby), rather than wrong?"""
+    return connection_lost(exc) or sqlstate_of(exc) == "25006"
+
+
+def why_unavailable(exc: BaseException) -> str:
+    """One line for :func:`unavailable`'s ``exc``."""
+    if sqlstate_of(exc) == "25006":
+        return f"a read-only server, SQLSTATE 25006: {first_line(exc)}"
+    return first_line(exc)
+
+
 # -- round trips ----------------------------------------------------------------------
 @dataclass(slots=True)
 class Result:

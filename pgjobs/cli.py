@@ -290,19 +290,19 @@ def run(
 def _start(scheduler: Any, stop: threading.Event, *, wait: bool) -> bool:
     """Start ``scheduler``; while the database cannot be reached, wait for it
     (one line says so), unless not ``wait``. False: stopped while waiting."""
-    from ._pg import connection_lost, first_line
+    from ._pg import unavailable, why_unavailable
 
     waiting_since: float | None = None
     while True:
         try:
             scheduler.start()
         except Exception as exc:
-            if not wait or not connection_lost(exc):
+            if not wait or not unavailable(exc):
                 raise
             if waiting_since is None:
                 waiting_since = time.monotonic()
                 click.echo(
-                    f"pgjobs: the database is unreachable ({first_line(exc)}); waiting for it"
+                    f"pgjobs: the database is unreachable ({why_unavailable(exc)}); waiting for it"
                     " (--exit-if-unreachable exits 3 instead)",
                     err=True,
                 )
@@ -389,7 +389,7 @@ def _summary(result: RunResult) -> str:
             f"rows locked {result.lock_seconds:.2f}s"
         )
         return f"{head}: {', '.join(parts)}; {timing}"
-    if result.outcome is Outcome.FAILED:
+    if result.outcome in (Outcome.FAILED, Outcome.INTERRUPTED):
         state = f" (SQLSTATE {result.sqlstate})" if result.sqlstate else ""
         when = (
             f"; next scheduled attempt {result.next_attempt_at:%Y-%m-%d %H:%M:%S %Z}"
@@ -438,7 +438,9 @@ def once(
             click.echo(
                 f"pgjobs: note: {job} is disabled (enabled = false); running it anyway", err=True
             )
-        with Runner(url, namespace=config.namespace, schema=config.schema) as runner:
+        with Runner(
+            url, namespace=config.namespace, schema=config.schema, call_timeout=config.call_timeout
+        ) as runner:
             if not no_check:
                 check_jobs(runner.engine, [registry.entry(job)])
             with Display(job, sys.stderr) as progress:
@@ -447,7 +449,7 @@ def once(
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY):
+        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.INTERRUPTED):
             sys.exit(EXIT_FAILED)
 
 

@@ -7,6 +7,7 @@
     plugins = ["myapp.jobs"]                # modules with @pgjobs.hookimpl functions
     keep_runs = "7d"                        # prune pgjobs.run older than this ...
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
+    call_timeout = "10s"                    # deadline of a bookkeeping round trip
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -82,6 +83,7 @@ _TOP_KEYS = (
     "timezone",
     "keep_runs",
     "prune_every",
+    "call_timeout",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -210,6 +212,9 @@ class Config:
     #: run records older than this are pruned by the scheduler
     keep_runs: timedelta = timedelta(days=7)
     prune_every: timedelta = timedelta(hours=1)
+    #: the deadline of each round trip of pgjobs' bookkeeping, and the margin
+    #: of a tick's (``docs/failover.md``)
+    call_timeout: timedelta = timedelta(seconds=10)
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -233,10 +238,11 @@ class Config:
                 parse_duration(getattr(self, name), field=name)
             except ConfigError as exc:
                 raise ConfigError(f"{self.source}: {exc}") from None
-        if self.prune_every <= timedelta(0):
-            raise ConfigError(
-                f"{self.source}: prune_every: must be positive, got {self.prune_every!r}"
-            )
+        for name in ("prune_every", "call_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ConfigError(
+                    f"{self.source}: {name}: must be positive, got {getattr(self, name)!r}"
+                )
 
     @property
     def source(self) -> str:
@@ -442,7 +448,7 @@ class _Parser:
             if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
                 raise self.fail("plugins", "expected a list of module names", plugins)
             fields["plugins"] = tuple(plugins)
-        for name in ("keep_runs", "prune_every"):
+        for name in ("keep_runs", "prune_every", "call_timeout"):
             if name in data:
                 fields[name] = self.duration(data[name], name)
         jobs = data.get("jobs", {})

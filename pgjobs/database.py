@@ -1,6 +1,18 @@
 """Turning what users pass as ``database=`` into a SQLAlchemy engine, and
 the one setting for a transaction pooler between pgjobs and PostgreSQL.
 
+A URL may name several hosts, as libpq's does and as pg_auto_failover and
+Patroni hand out (``postgresql://u@h1:5432,h2:5432/app?target_session_attrs=
+read-write``): :func:`normalize_url` turns it into SQLAlchemy's form
+(``?host=h1:5432&host=h2:5432``), and libpq tries the hosts in turn, keeping
+the first that matches ``target_session_attrs``.
+
+Engines pgjobs creates from a URL connect with TCP keepalives, a
+``tcp_user_timeout`` and a ``connect_timeout`` (:data:`CONNECT_DEFAULTS`),
+each unless the URL sets it, so that a peer that vanished (a failover, a
+network cut) is noticed by the kernel; and every engine pgjobs uses, the
+user's too, has a deadline on each round trip (:mod:`pgjobs.deadline`).
+
 ``$PGJOBS_TRANSACTION_POOLING=1`` says that consecutive transactions of one
 connection may run on different server sessions (PgBouncer with
 ``pool_mode = transaction``, and the like). pgjobs then keeps nothing in a
@@ -17,13 +29,16 @@ session from one transaction to the next:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_engine
 from .errors import ConfigError
 
 ENV_URL = "PGJOBS_DATABASE_URL"
@@ -47,31 +62,74 @@ def transaction_pooling(env: Mapping[str, str] | None = None) -> bool:
     )
 
 
+#: libpq settings of the connections of engines pgjobs creates from a URL,
+#: each unless the URL gives it: keepalives after 10 s of silence, every 5 s,
+#: 3 unanswered drop the connection (a vanished peer noticed in about 25 s);
+#: data unacknowledged for 20 s drops it too; a host that does not answer
+#: a connect within 5 s is given up (the next host of a multi-host URL tried)
+CONNECT_DEFAULTS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,
+    "connect_timeout": 5,
+}
+
+_MULTI_HOST = re.compile(
+    r"^(?P<scheme>[^:/]+://)(?P<user>[^@/?#]*@)?(?P<hosts>[^/?#]*)(?P<rest>.*)$"
+)
+
+
 def normalize_url(url: str) -> str:
-    """``postgresql://`` and ``postgres://`` mean psycopg 3 here."""
+    """``postgresql://`` and ``postgres://`` mean psycopg 3 here; a libpq
+    multi-host URL (``h1:p1,h2:p2``) becomes SQLAlchemy's ``?host=h1:p1&host=h2:p2``."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+            break
+    return _multi_host(url)
+
+
+def _multi_host(url: str) -> str:
+    match = _MULTI_HOST.match(url)
+    if match is None or "," not in match["hosts"]:
+        return url
+    hosts = match["hosts"].split(",")
+    if not all(hosts):
+        raise ConfigError(f"database: an empty host in the URL's host list: {match['hosts']!r}")
+    rest = match["rest"]
+    path, _, query = rest.partition("?")
+    params = "&".join(f"host={quote(host, safe=':[]')}" for host in hosts)
+    return f"{match['scheme']}{match['user'] or ''}{path or '/'}?{params}" + (
+        f"&{query}" if query else ""
+    )
 
 
 def resolve_engine(
-    database: str | Engine | None, *, field: str = "database"
+    database: str | Engine | None,
+    *,
+    field: str = "database",
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> tuple[Engine, bool]:
     """Return ``(engine, owned)``; an owned engine is disposed of by the caller.
 
-    ``database`` is a URL (``postgresql://`` or ``postgresql+psycopg://``), an
-    :class:`~sqlalchemy.engine.Engine`, or ``None`` for ``$PGJOBS_DATABASE_URL``.
+    ``database`` is a URL (``postgresql://`` or ``postgresql+psycopg://``, one
+    host or several), an :class:`~sqlalchemy.engine.Engine`, or ``None`` for
+    ``$PGJOBS_DATABASE_URL``. Either way each round trip of the engine's
+    connections has a deadline of ``call_timeout`` seconds unless a tick
+    sets its own (:mod:`pgjobs.deadline`).
     """
     if isinstance(database, Engine):
+        bound_engine(database, call_timeout)
         return database, False
     url = database if database is not None else os.environ.get(ENV_URL)
     if not url:
         raise ConfigError(f"{field}: no database given; pass a URL or set ${ENV_URL}")
     if not isinstance(url, str):
         raise ConfigError(f"{field}: expected a URL or an Engine, got {database!r}")
-    url = normalize_url(url)
     try:
+        url = normalize_url(url)
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ConfigError(f"{field}: not a database URL: {url!r}") from exc
@@ -79,8 +137,13 @@ def resolve_engine(
         raise ConfigError(
             f"{field}: pgjobs needs PostgreSQL through psycopg 3 (postgresql://...), got {parsed.drivername!r}"
         )
-    connect_args: dict[str, Any] = {}
+    connect_args: dict[str, Any] = {
+        name: value for name, value in CONNECT_DEFAULTS.items() if name not in parsed.query
+    }
     if transaction_pooling():
         # A statement prepared on one server session is unknown on the next.
         connect_args["prepare_threshold"] = None
-    return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args), True
+    # the pool's pre-ping is a round trip like any other: bounded (call_timeout)
+    engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+    bound_engine(engine, call_timeout)
+    return engine, True

@@ -312,8 +312,9 @@ class Job:
     #: a periodic job that found its group busy may retry this soon
     busy_retry: Duration | None = "5s"
     #: ``SET LOCAL synchronous_commit`` for the job's transaction: whether its
-    #: commit waits for the WAL to reach disk (see :class:`_DiffJob` for why
-    #: recompute and queue jobs don't)
+    #: commit waits for the WAL to reach disk (``local``; never for a
+    #: synchronous standby, see docs/failover.md; :class:`_DiffJob` says why
+    #: recompute and queue jobs don't wait at all: ``off``)
     synchronous_commit: bool = True
     enabled: bool = True
     description: str = ""

@@ -10,14 +10,26 @@ however many wake-ups arrived during the current one).
 
 When the connection is lost, the listener says so through ``on_lost`` and
 reconnects by itself, every ``retry`` at most; once it listens again it
-calls ``on_back`` and wakes every job, since what was enqueued meanwhile
-notified nobody. Until then the jobs' polling interval is what runs them.
+calls ``on_back`` (with the server it reached: after a failover, the new
+primary, which a multi-host URL's ``target_session_attrs=read-write``
+picks) and wakes every job, since what was enqueued meanwhile notified
+nobody. Until then the jobs' polling interval is what runs them.
+
+Every wait is bounded: connecting by the URL's ``connect_timeout``, each
+round trip by its engine's deadline (:mod:`pgjobs.deadline`). A connection
+that went half-open (no traffic, no close: a proxy or a NAT that dropped
+it, a server host that vanished) delivers no notification and no error;
+so every ``check_every`` seconds without a notification the listener makes
+a cheap round trip (``select 1``) under ``check_timeout``, and one that
+does not come back in time counts as a lost connection: noticed within
+``check_every + check_timeout``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,12 +37,15 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Engine
 
+from .deadline import DEFAULT_CALL_TIMEOUT, bound
 from .queue import channel
 
 log = logging.getLogger(__name__)
 
 #: how long one wait for notifications lasts: the longest :meth:`Listener.stop` waits
 _POLL_SECONDS = 0.2
+#: seconds without a notification before the listener checks its connection
+CHECK_EVERY = 5.0
 
 
 class Listener:
@@ -45,8 +60,10 @@ class Listener:
         schema: str,
         wake: Callable[[str], None],
         on_lost: Callable[[BaseException], None] | None = None,
-        on_back: Callable[[], None] | None = None,
+        on_back: Callable[[str], None] | None = None,
         retry: tuple[float, float] = (0.2, 5.0),
+        check_every: float = CHECK_EVERY,
+        check_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self.engine = engine
         self.channels = {channel(schema, job): job for job in jobs}
@@ -54,6 +71,8 @@ class Listener:
         self.on_lost = on_lost
         self.on_back = on_back
         self.retry = retry
+        self.check_every = check_every
+        self.check_timeout = check_timeout
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
@@ -90,7 +109,7 @@ class Listener:
                     lost = False
                     delay = self.retry[0]
                     if self.on_back is not None:
-                        self.on_back()
+                        self.on_back(_server(self._conn))
                     for job in self.channels.values():
                         self.wake(job)
                 self._receive(self._conn)
@@ -118,18 +137,27 @@ class Listener:
             conn.rollback()
         conn.autocommit = True
         self._conn = conn
+        bound(conn, self.check_timeout)
         for name in self.channels:
             conn.execute(sql.SQL("listen {}").format(sql.Identifier(name)))
         return conn
 
     def _receive(self, conn: psycopg.Connection[Any]) -> None:
+        heard = time.monotonic()
         while not self._stop.is_set():
             for notify in conn.notifies(timeout=_POLL_SECONDS):
+                heard = time.monotonic()
                 job = self.channels.get(notify.channel)
                 if job is not None:
                     self.wake(job)
                 if self._stop.is_set():
                     return
+            if time.monotonic() - heard >= self.check_every:
+                # a half-open connection says nothing: ask it something (a
+                # notification that arrives meanwhile waits in psycopg's backlog
+                # for the next notifies()); no answer in check_timeout raises
+                conn.execute("select 1")
+                heard = time.monotonic()
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -138,6 +166,13 @@ class Listener:
                 conn.close()
             except Exception:
                 log.debug("pgjobs: closing the listener's connection failed", exc_info=True)
+
+
+def _server(conn: psycopg.Connection[Any] | None) -> str:
+    """``host:port`` of the server ``conn`` reached."""
+    if conn is None or conn.closed:
+        return "?"
+    return f"{conn.info.host}:{conn.info.port}"
 
 
 __all__ = ["Listener"]

@@ -17,6 +17,10 @@ class Outcome(StrEnum):
     BACKING_OFF = "backing_off"  #: the job failed recently and waits for ``next_attempt_at``
     NOT_DUE = "not_due"  #: it ran less than one interval ago (here or on another replica)
     FAILED = "failed"  #: the job raised; its transaction was rolled back
+    #: the connection was lost under the tick (the server shut the session
+    #: down, a failover, a deadline passed, a read-only server): rolled back,
+    #: retried within seconds on a fresh connection, without the job's backoff
+    INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,5 +98,5 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        """Everything but ``failed``."""
-        return self.outcome is not Outcome.FAILED
+        """Everything but ``failed`` and ``interrupted``."""
+        return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED)

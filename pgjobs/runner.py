@@ -33,6 +33,7 @@ from . import logs
 from ._pg import (
     abandon,
     connection_lost,
+    first_line,
     later,
     open_transaction,
     send,
@@ -40,6 +41,8 @@ from ._pg import (
     sqlstate_of,
 )
 from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
+from .deadline import DEFAULT_CALL_TIMEOUT, bounded, exceeded
+from .durations import Duration, parse_duration
 from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import (
@@ -53,7 +56,7 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
-from .records import Failure, QuietTicks
+from .records import Failure, Interruptions, QuietTicks
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -99,7 +102,16 @@ def utcnow() -> datetime:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
-_SYNC_COMMIT = {"synchronous_commit": "on"}
+#: pgjobs' own writes (failures, run records, tick counts, migrations) commit
+#: durably on this server without waiting for a synchronous standby: a
+#: commit waiting for one kept the old primary from shutting down for 60 s
+#: in a switchover (``docs/failover.md``)
+LOCAL_COMMIT = {"synchronous_commit": "local"}
+#: the statement that sets :data:`LOCAL_COMMIT`, to queue in a bookkeeping transaction
+LOCAL_COMMIT_SQL = set_local(LOCAL_COMMIT)
+#: seconds: the bound of one round trip of an installation (a migration may
+#: rewrite a table, or wait for another process installing)
+INSTALL_TIMEOUT = 300.0
 
 
 def _job_settings(job: Job) -> dict[str, str]:
@@ -113,9 +125,53 @@ def _job_settings(job: Job) -> dict[str, str]:
         value = getattr(job, name)
         assert isinstance(value, timedelta)
         values[name] = f"{int(value.total_seconds() * 1000)}ms"
-    values["synchronous_commit"] = "on" if job.synchronous_commit else "off"
+    # "local", not "on": a commit waits for this server's disk, never for a
+    # synchronous standby (which a failover may have taken away)
+    values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
     values["client_connection_check_interval"] = "1000ms"
     return values
+
+
+def tick_bound(job: Job, call_timeout: float) -> float:
+    """Seconds: the deadline of each round trip of ``job``'s ticks, its
+    ``lock_timeout`` + ``statement_timeout`` (what the server itself allows
+    a statement) + ``call_timeout`` as a margin; 0 (none) for a job without
+    a ``statement_timeout``."""
+    lock, statement = job.lock_timeout, job.statement_timeout
+    assert isinstance(lock, timedelta) and isinstance(statement, timedelta)
+    if statement <= timedelta(0):
+        return 0.0
+    return lock.total_seconds() + statement.total_seconds() + call_timeout
+
+
+def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None:
+    """(SQLSTATE, one line) when ``exc`` cut a run off without being the
+    job's fault: the connection is gone (class 08, 57P01-57P05, closed
+    under it), a deadline passed, or the server is a standby (a read-only
+    server, 25006: the URL reached a demoted primary or only a standby).
+    ``None``: the job's own failure."""
+    if exceeded(exc):
+        return "08006", f"no answer within the deadline: {first_line(exc)}"
+    if _read_only_server(conn):
+        return "25006", f"read-only server (SQLSTATE 25006): {first_line(exc)}"
+    if connection_lost(exc):
+        state = sqlstate_of(exc) or "08006"
+        return state, f"{first_line(exc)} (SQLSTATE {state})"
+    return None
+
+
+def _read_only_server(conn: Connection) -> bool:
+    """Is ``conn``'s server a hot standby, or read-only by default? Both
+    are reported by the server itself (PostgreSQL 14+): no round trip."""
+    if conn.invalidated or conn.closed:
+        return False
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection) or raw.closed:
+        return False
+    return "on" in (
+        raw.info.parameter_status("in_hot_standby"),
+        raw.info.parameter_status("default_transaction_read_only"),
+    )
 
 
 def _slack(interval: timedelta | None) -> timedelta:
@@ -152,18 +208,27 @@ class Runner:
         schema: str = DEFAULT_SCHEMA,
         clock: Clock = utcnow,
         worker: str | None = None,
+        call_timeout: Duration = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         for name, value in (("namespace", namespace), ("schema", schema)):
             if not isinstance(value, str) or not value or "\x00" in value:
                 raise ConfigError(
                     f"{name}: expected a non-empty string without NUL bytes, got {value!r}"
                 )
-        self.engine, self._owned = resolve_engine(database)
+        timeout = parse_duration(call_timeout, field="call_timeout")
+        if timeout <= timedelta(0):
+            raise ConfigError(f"call_timeout: must be positive, got {call_timeout!r}")
+        #: seconds: the deadline of each round trip of pgjobs' bookkeeping
+        #: (and the margin of a tick's, see :func:`tick_bound`)
+        self.call_timeout = timeout.total_seconds()
+        self.engine, self._owned = resolve_engine(database, call_timeout=self.call_timeout)
         self.namespace = namespace
         self.store = Store(schema)
         self.clock = clock
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.quiet = QuietTicks(self.store)
+        #: runs cut off by a lost connection, per job, and their retry delay
+        self.interruptions = Interruptions()
         #: failures that could not be written yet (the database was away), by job
         self._unrecorded: dict[str, Failure] = {}
         self._unrecorded_lock = threading.Lock()
@@ -188,6 +253,7 @@ class Runner:
             return
         try:
             with self.engine.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
                 for failure in failures.values():
                     later(conn, *failure.state_query(self.store))
                     later(conn, *self.store.run_query(failure.result, self.worker))
@@ -230,6 +296,7 @@ class Runner:
 
     def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
         with conn.begin():
+            later(conn, *LOCAL_COMMIT_SQL)
             self.quiet.queue_for(conn, failure.result.job)
             _, recorded = send(
                 conn,
@@ -244,9 +311,28 @@ class Runner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def record_interrupted(self, result: RunResult) -> RunResult:
+        """Write an interrupted run to the run log, on a fresh connection, if
+        the database takes it (a standby does not): best effort, its job's
+        state is left as it is."""
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
+                (recorded,) = send(conn, self.store.run_query(result, self.worker))
+            return replace(result, run_id=int(recorded.scalar()))
+        except Exception:
+            log.debug("pgjobs: %s: its interrupted run is not recorded", result.job, exc_info=True)
+            return result
+
     def install(self) -> None:
         """Create pgjobs' schema if it is missing (also done by the first tick)."""
         with self.engine.connect() as conn:
+            self._ensure(conn)
+
+    def _ensure(self, conn: Connection) -> None:
+        if self.store._ready:
+            return
+        with bounded(conn, max(INSTALL_TIMEOUT, self.call_timeout)):
             self.store.ensure(conn)
 
     def tick(
@@ -266,7 +352,7 @@ class Runner:
         if self._unrecorded:
             self.flush()
         with self.engine.connect() as conn:
-            self.store.ensure(conn)
+            self._ensure(conn)
             return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
 
     def tick_on(
@@ -278,14 +364,20 @@ class Runner:
         next_due: datetime | None = None,
         force: bool = False,
     ) -> RunResult:
-        """:meth:`tick` on a connection of the caller's (not in a transaction)."""
-        return _Tick(self, conn, job, progress=progress, next_due=next_due, force=force).run()
+        """:meth:`tick` on a connection of the caller's (not in a transaction).
+        Each of its round trips has the job's deadline (:func:`tick_bound`)."""
+        with bounded(conn, tick_bound(job, self.call_timeout)):
+            result = _Tick(self, conn, job, progress=progress, next_due=next_due, force=force).run()
+        if result.outcome is not Outcome.INTERRUPTED:
+            self.interruptions.clear(job.name)
+        return result
 
     def prune(self, keep: timedelta = timedelta(days=7)) -> int:
         """Delete run records older than ``keep``; returns how many."""
         with self.engine.connect() as conn:
-            self.store.ensure(conn)
+            self._ensure(conn)
             with conn.begin():
+                send(conn, LOCAL_COMMIT_SQL)
                 return self.store.prune(conn, keep=keep, now=self.clock())
 
 
@@ -601,6 +693,30 @@ class _Tick:
             self.conn.invalidate()
 
     # -- step 6 ----------------------------------------------------------------------
+    def _interrupted(self, exc: Exception, why: tuple[str, str]) -> RunResult:
+        """A run cut off by a lost connection (or a standby): rolled back,
+        recorded as ``interrupted`` if the database takes it, retried soon
+        (``retry_after``); the job's state and backoff are left alone."""
+        sqlstate, line = why
+        if self._trans_open():
+            abandon(self.conn, self.trans)
+        delay = self.runner.interruptions.note(self.job.name, line)
+        result = RunResult(
+            job=self.job.name,
+            outcome=Outcome.INTERRUPTED,
+            started_at=self.started,
+            finished_at=self.runner.clock(),
+            error=_error_text(exc),
+            sqlstate=sqlstate,
+            retry_after=timedelta(seconds=delay),
+        )
+        log.debug("pgjobs: %s: the interruption", self.job.name, exc_info=exc)
+        return self.runner.record_interrupted(result)
+
+    def _trans_open(self) -> bool:
+        trans: RootTransaction | None = getattr(self, "trans", None)
+        return trans is not None and trans.is_active
+
     def _failure(self, exc: Exception) -> Failure:
         job, state = self.job, self.state
         failures = (state.failures if state else 0) + 1
@@ -623,7 +739,11 @@ class _Tick:
         transaction (rolled back to its savepoint, the lock still held), so
         that no replica can start the job between the failure and its
         backoff. When that transaction is gone (the connection was lost, or
-        COMMIT itself failed), so is the lock: recorded elsewhere."""
+        COMMIT itself failed), so is the lock: recorded elsewhere. A lost
+        connection is no failure of the job: :meth:`_interrupted`."""
+        why = interruption(exc, self.conn)
+        if why is not None:
+            return self._interrupted(exc, why)
         failure = self._failure(exc)
         if open_transaction(self.conn):
             try:
@@ -631,7 +751,7 @@ class _Tick:
                 *_, recorded = send(
                     self.conn,
                     (_ROLLBACK_RUN, None),
-                    set_local(_SYNC_COMMIT),
+                    LOCAL_COMMIT_SQL,
                     failure.state_query(self.store),
                     self.store.run_query(failure.result, self.runner.worker),
                     commit=self.trans,
@@ -648,6 +768,9 @@ class _Tick:
 
     def _fail(self, exc: Exception) -> RunResult:
         """A failure before the lock (the work check): recorded on its own."""
+        why = interruption(exc, self.conn)
+        if why is not None:
+            return self._interrupted(exc, why)
         return self.runner.record_failure(self._failure(exc), self.conn)
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:

@@ -54,9 +54,10 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from ._pg import connection_lost, first_line
+from ._pg import first_line, unavailable, why_unavailable
 from .checks import check_jobs
 from .database import transaction_pooling
+from .deadline import DEFAULT_CALL_TIMEOUT
 from .durations import Duration, parse_duration
 from .errors import ConfigError
 from .jobs import Job, Progress, QueueJob
@@ -115,6 +116,7 @@ class Scheduler:
         check: bool = True,
         on_result: Callable[[RunResult], None] | None = None,
         listen: bool | None = None,
+        call_timeout: Duration = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         from .registry import Registry
 
@@ -133,7 +135,9 @@ class Scheduler:
         self.max_workers = max_workers
         self.check = check
         self.on_result = on_result
-        self.runner = Runner(database, namespace=namespace, schema=schema)
+        self.runner = Runner(
+            database, namespace=namespace, schema=schema, call_timeout=call_timeout
+        )
         self._triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
@@ -199,6 +203,7 @@ class Scheduler:
             "timezone": config.timezone,
             "keep_runs": config.keep_runs,
             "prune_every": config.prune_every,
+            "call_timeout": config.call_timeout,
         }
         settings.update(options)
         return cls(registry, url, **settings)
@@ -262,6 +267,7 @@ class Scheduler:
                     wake=self.wake,
                     on_lost=_lost_listening,
                     on_back=_listening_again,
+                    check_timeout=self.runner.call_timeout,
                 )
                 self.listener.start()
             log.info(
@@ -384,7 +390,9 @@ class Scheduler:
             result = self._tick(job, progress)
             if result is None:
                 return
-            if index == 0:
+            if result.outcome is Outcome.INTERRUPTED and result.retry_after is not None:
+                self._retry(name, result.retry_after)
+            elif index == 0:
                 if result.outcome is Outcome.BUSY and result.retry_after is not None:
                     self._retry(name, result.retry_after)
                 elif result.outcome is Outcome.NOT_DUE:
@@ -401,14 +409,20 @@ class Scheduler:
         try:
             result = self.runner.tick(job, next_due=self._next_due(job), progress=progress)
         except Exception as exc:
-            if connection_lost(exc):
+            if unavailable(exc):
+                # a tick that could not start: the database is away (or read-only,
+                # a standby); tried again soon, without a word each time
                 self._outage.down(exc)
+                delay = self.runner.interruptions.note(job.name, first_line(exc), quiet=True)
+                self._retry(job.name, timedelta(seconds=delay))
             else:
                 # The runner records a job's own failures; this is pgjobs unable
                 # to use its tables: say so, try at the next tick.
                 log.exception("pgjobs: %s: could not run a tick", job.name)
             return None
-        if result.outcome is not Outcome.FAILED or result.run_id is not None:
+        if result.outcome is not Outcome.INTERRUPTED and (
+            result.outcome is not Outcome.FAILED or result.run_id is not None
+        ):
             self._outage.up()
         return result
 
@@ -465,8 +479,8 @@ def _lost_listening(exc: BaseException) -> None:
     )
 
 
-def _listening_again() -> None:
-    log.warning("pgjobs: listening for enqueues again")
+def _listening_again(server: str) -> None:
+    log.warning("pgjobs: listening for enqueues again, on %s", server)
 
 
 def _claimed(job: Job, result: RunResult) -> tuple[int, int]:
@@ -510,8 +524,8 @@ class _Outage:
             self._since = time.monotonic()
         log.warning(
             "pgjobs: the database is unreachable (%s); the jobs wait for it, trying again"
-            " at their next tick",
-            first_line(exc),
+            " within seconds",
+            why_unavailable(exc),
         )
         log.debug("pgjobs: the error", exc_info=exc)
 

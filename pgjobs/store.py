@@ -106,6 +106,8 @@ class Store:
                     "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
                     (f"pgjobs-store:{self.schema}",),
                 )
+                # never wait for a synchronous standby (docs/failover.md)
+                execute(conn, "select set_config('synchronous_commit', 'local', true)")
                 execute(conn, sql.SQL("create schema if not exists {}").format(self._s))
                 execute(
                     conn,

@@ -13,7 +13,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, locking, database, embedded
     model        jobs, results, errors, durations, backoff, logs
-    base         _pg (helpers over psycopg and SQLAlchemy; imports nothing of pgjobs)
+    base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
 
 A module not listed is refused: put it on a floor. Exit 1 with what is
 wrong; ``--graph`` prints every arrow. Run by ``scripts/check`` (and CI).
@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),
-    ("base", {"_pg"}),
+    ("base", {"_pg", "deadline"}),
 ]
 
 

@@ -41,9 +41,12 @@ def _free_port() -> int:
 
 
 class Cluster:
-    """``initdb`` in a directory of its own; :meth:`start`, :meth:`stop`."""
+    """``initdb`` in a directory of its own; :meth:`start`, :meth:`stop`.
+    ``settings``: server settings (``-c name=value``) for every start.
+    :meth:`standby` makes a streaming replica of it (``pg_basebackup -R``),
+    :meth:`promote` makes a standby the primary."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, settings: dict[str, str] | None = None, init: bool = True) -> None:
         self.bin = _bin_dir()
         self.port = _free_port()
         self.root = Path(tempfile.mkdtemp(prefix="pgjobs-cluster-"))
@@ -53,7 +56,33 @@ class Cluster:
             self.user = "postgres"
             entry = pwd.getpwnam(self.user)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
+        self.settings = dict(settings or {})
+        if init:
+            self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
+
+    def standby(self) -> Cluster:
+        """A new cluster, a streaming replica of this one (which must run),
+        not started."""
+        replica = Cluster(settings=self.settings, init=False)
+        replica._run(
+            "pg_basebackup",
+            "-D",
+            str(replica.data),
+            "-R",
+            "-X",
+            "stream",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "--no-sync",
+        )
+        return replica
+
+    def promote(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-w", "promote")
 
     @property
     def url(self) -> str:
@@ -69,6 +98,8 @@ class Cluster:
 
     def start(self) -> None:
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c fsync=off"
+        for name, value in self.settings.items():
+            options += f" -c {name}={value}"
         self._run(
             "pg_ctl",
             "-D",

@@ -1,4 +1,5 @@
-"""Failures, whatever kills them: recorded, backed off, never run twice.
+"""Failures, whatever kills them: recorded, backed off, never run twice;
+and a connection killed under a job, which is no failure of the job.
 
 Real connections throughout: a backend terminated from another connection,
 six runners racing on one failing job, a deferred constraint failing at
@@ -52,7 +53,11 @@ def logged(engine, job: str) -> list[tuple[str, str | None]]:
         ]
 
 
-def test_a_job_whose_backend_is_terminated_mid_write_is_a_recorded_failure(engine) -> None:
+def test_a_job_whose_backend_is_terminated_mid_write_is_interrupted_not_failed(engine) -> None:
+    """A backend terminated under the job (57P01, what a switchover does) is
+    not the job's failure: the run is rolled back and logged ``interrupted``
+    with its SQLSTATE, the job's state keeps no failure and no backoff, and
+    the next tick runs it on a fresh connection."""
     with engine.begin() as conn:
         conn.execute(text("create table written (n int)"))
     pid: list[int] = []
@@ -60,9 +65,10 @@ def test_a_job_whose_backend_is_terminated_mid_write_is_a_recorded_failure(engin
 
     def body(conn):
         conn.execute(text("insert into written values (1)"))
-        pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
-        writing.set()
-        conn.execute(text("select pg_sleep(60)"))  # terminated in here
+        if not pid:
+            pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+            writing.set()
+            conn.execute(text("select pg_sleep(60)"))  # terminated in here
 
     def terminate() -> None:
         assert writing.wait(WAIT)
@@ -75,16 +81,17 @@ def test_a_job_whose_backend_is_terminated_mid_write_is_a_recorded_failure(engin
     with pgjobs.Runner(engine) as runner:
         result = runner.tick(job)
         killer.join(WAIT)
-        assert (result.outcome, result.sqlstate) == ("failed", "57P01")
+        assert (result.outcome, result.sqlstate) == ("interrupted", "57P01")
         assert result.run_id is not None
-        # and it backs off like any failure, in this process and in others
-        assert runner.tick(job).outcome == "backing_off"
-    failures, next_attempt, sqlstate = job_state(engine, "killed")
-    assert (failures, sqlstate) == (1, "57P01")
-    assert next_attempt > datetime.now(UTC) + timedelta(minutes=59)
-    assert logged(engine, "killed") == [("failed", "57P01")]
+        assert result.retry_after is not None and result.retry_after <= timedelta(seconds=1)
+        assert job_state(engine, "killed") is None  # no failure, no backoff
+        # the next tick runs at once, on a fresh connection
+        assert runner.tick(job).outcome == "ran"
+    failures, _, sqlstate = job_state(engine, "killed")
+    assert (failures, sqlstate) == (0, None)
+    assert logged(engine, "killed") == [("interrupted", "57P01"), ("ran", None)]
     with engine.connect() as conn:
-        assert conn.execute(text("select count(*) from written")).scalar_one() == 0
+        assert conn.execute(text("select count(*) from written")).scalar_one() == 1
 
 
 def test_a_failing_job_runs_once_per_backoff_window_with_six_runners_racing(engine) -> None:

@@ -1,0 +1,236 @@
+"""Client-side deadlines on every round trip pgjobs makes, and the one way
+to abandon a connection.
+
+psycopg waits for the server's answer as long as it takes: a statement
+stuck on a server that stopped answering (a failover, a half-open TCP
+connection behind a proxy or a NAT, a commit waiting for a synchronous
+standby that is gone) blocks its thread forever. In the field that was
+SQLAlchemy's pool pre-ping (``select 1``) on pooled connections to an old
+primary: the tick's slot stayed taken, and the process never ran another
+tick.
+
+:func:`bound_engine` puts every connection of an engine under
+:class:`BoundedConnection` (a class swap at connect and at checkout, for
+engines of the user's too): each of its waits for the server (a round trip:
+a statement, a pipeline's sync, a COMMIT, the pool's ping) has a deadline,
+the connection's :func:`bound` (``call_timeout`` unless a tick set its own,
+see :func:`bounded`). psycopg's own wait loop enforces it (it wakes every
+0.1 s anyway): the cost is one Python call per round trip, about 0.2 µs,
+and no thread. Past the deadline the connection is abandoned
+(:func:`abandon_connection`: its socket shut down and the libpq connection
+closed, *broken*), and :class:`DeadlineExceeded` is raised: an
+``OperationalError`` on a broken connection, which SQLAlchemy counts as a
+disconnect, so that its pool hands out a fresh connection next.
+
+Connecting is bounded by libpq's ``connect_timeout`` (psycopg applies it
+client-side; engines pgjobs creates set it, see :mod:`pgjobs.database`).
+
+:func:`abandon_connection` may be called from another thread too (a
+shutdown deadline cancelling what runs: shut the socket down, and the
+owner's blocked wait returns with an error); :func:`cancel_statement` asks
+the server to cancel the running statement first, within a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import errors
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+
+log = logging.getLogger(__name__)
+
+RV = TypeVar("RV")
+
+#: seconds: the default bound of a bookkeeping round trip (pgjobs' own
+#: statements, the pool's ping, the listener's check)
+DEFAULT_CALL_TIMEOUT = 10.0
+
+try:  # psycopg's wait loop wakes this often to let a Ctrl-C through
+    from psycopg.connection import _WAIT_INTERVAL
+except ImportError:  # pragma: no cover - psycopg moved it
+    _WAIT_INTERVAL = 0.1
+
+_WaitTimeout: type[BaseException] = getattr(errors, "_WaitTimeout", errors.OperationalError)
+
+
+class DeadlineExceeded(psycopg.OperationalError):
+    """No answer from the server within the deadline; the connection was
+    abandoned (its socket shut down) and will not be used again."""
+
+
+class BoundedConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose every wait for the server has a deadline:
+    :attr:`pgjobs_bound` seconds (0: none)."""
+
+    #: the deadline of one wait, in seconds (0: none); set per connection
+    pgjobs_bound: float = DEFAULT_CALL_TIMEOUT
+
+    def wait(
+        self,
+        gen: Any,
+        interval: float = _WAIT_INTERVAL,
+        timeout: float | None = None,
+    ) -> Any:
+        bound = self.pgjobs_bound
+        if timeout is not None or bound <= 0:
+            # a wait with a timeout of its own (notifies(timeout=...)): the caller's
+            return psycopg.Connection.wait(self, gen, interval, timeout)
+        try:
+            return psycopg.Connection.wait(self, gen, interval, bound)
+        except _WaitTimeout:
+            abandon_connection(self, owner=True)
+            raise DeadlineExceeded(
+                f"pgjobs: no answer from the server within {bound:g} s;"
+                " the connection was abandoned"
+            ) from None
+
+
+def bound(raw: psycopg.Connection[Any], seconds: float) -> float:
+    """Set the deadline of each of ``raw``'s round trips to ``seconds`` (0:
+    none); returns the previous one. A connection not yet bounded becomes
+    a :class:`BoundedConnection`."""
+    _adopt(raw)
+    previous = raw.pgjobs_bound  # type: ignore[attr-defined]
+    raw.pgjobs_bound = seconds  # type: ignore[attr-defined]
+    return float(previous)
+
+
+@contextlib.contextmanager
+def bounded(conn: Connection, seconds: float) -> Iterator[None]:
+    """Within the block, each round trip of ``conn`` (a SQLAlchemy connection)
+    has a deadline of ``seconds``; the previous bound afterwards. The
+    block's connection may be replaced meanwhile (a lost one, reconnected):
+    the new one has its engine's default."""
+    raw = _raw_of(conn)
+    if raw is None:
+        yield
+        return
+    previous = bound(raw, seconds)
+    try:
+        yield
+    finally:
+        if not raw.closed:
+            raw.pgjobs_bound = previous  # type: ignore[attr-defined]
+
+
+def _raw_of(conn: Connection) -> psycopg.Connection[Any] | None:
+    if conn.invalidated or conn.closed:
+        return None
+    raw = conn.connection.driver_connection
+    return raw if isinstance(raw, psycopg.Connection) else None
+
+
+def _adopt(raw: psycopg.Connection[Any]) -> None:
+    if type(raw) is psycopg.Connection:
+        raw.__class__ = BoundedConnection
+    elif not isinstance(raw, BoundedConnection):
+        raise TypeError(
+            f"pgjobs bounds psycopg.Connection, not a subclass of it: {type(raw).__name__}"
+        )
+
+
+#: engines already bounded, and their call timeout
+_BOUND_ENGINES = "pgjobs_call_timeout"
+
+
+def bound_engine(engine: Engine, call_timeout: float) -> None:
+    """Bound every connection of ``engine``: each round trip at most
+    ``call_timeout`` seconds unless a tick sets its own (:func:`bounded`).
+    Idempotent; a second call changes the timeout of new checkouts."""
+    already = _BOUND_ENGINES in engine.__dict__
+    engine.__dict__[_BOUND_ENGINES] = call_timeout
+    if already:
+        return
+
+    def timeout_of() -> float:
+        return float(engine.__dict__[_BOUND_ENGINES])
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, record: Any) -> None:
+        if isinstance(dbapi_conn, psycopg.Connection):
+            bound(dbapi_conn, timeout_of())
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        # connections made before the engine was bounded, and a bound a tick
+        # left behind (it restores it, unless it failed in between)
+        if isinstance(dbapi_conn, psycopg.Connection):
+            bound(dbapi_conn, timeout_of())
+
+
+def call_timeout_of(engine: Engine) -> float:
+    """The call timeout :func:`bound_engine` gave ``engine`` (the default if none)."""
+    return float(engine.__dict__.get(_BOUND_ENGINES, DEFAULT_CALL_TIMEOUT))
+
+
+def abandon_connection(raw: psycopg.Connection[Any], *, owner: bool = False) -> None:
+    """Give ``raw`` up: shut its socket down, so that a wait blocked on it
+    (in any thread) returns with an error at once, and the server sees the
+    session end. ``owner``: the caller is the thread using ``raw`` (not in
+    a call on it): the libpq connection is closed too, marked broken (so
+    that SQLAlchemy's pool drops it). From another thread only the socket
+    is shut down: the owner's next read fails and psycopg closes it there.
+    Never raises."""
+    if raw.closed:
+        return
+    with contextlib.suppress(Exception):
+        fd = raw.pgconn.socket
+        dup = socket.socket(fileno=os.dup(fd))
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        finally:
+            dup.close()
+    if owner:
+        with contextlib.suppress(Exception):
+            raw.pgconn.finish()  # not raw.close(): broken, not closed cleanly
+
+
+def cancel_statement(raw: psycopg.Connection[Any], *, timeout: float = 5.0) -> bool:
+    """Ask the server to cancel the statement ``raw`` runs (from any thread),
+    waiting at most ``timeout`` seconds for the request to be delivered;
+    whether it was. The statement's wait then ends with ``QueryCanceled``;
+    when the server cannot be reached, :func:`abandon_connection` is what
+    is left."""
+    if raw.closed:
+        return False
+    try:
+        raw.cancel_safe(timeout=timeout)
+    except Exception:
+        log.debug("pgjobs: cancelling the statement failed", exc_info=True)
+        return False
+    return True
+
+
+def exceeded(exc: BaseException | None) -> bool:
+    """Did ``exc`` (or what it wraps) come from a deadline that passed?"""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DeadlineExceeded) or isinstance(
+            getattr(exc, "orig", None), DeadlineExceeded
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "BoundedConnection",
+    "DeadlineExceeded",
+    "abandon_connection",
+    "bound",
+    "bound_engine",
+    "bounded",
+    "call_timeout_of",
+    "cancel_statement",
+    "exceeded",
+]
