@@ -382,12 +382,12 @@ def describe(out: Outcome) -> str:
         + (f" (command {fo.done_s:5.2f} s)" if fo.kind == "switchover" else "")
         + (f" [switchover failed: {fo.command_error}]" if fo.command_error else "")
         + f"  commits {out.commits}  user errors {out.user_errors or 0}"
-        + f"  wrong {out.wrong}  acked lost {out.acked_lost}"
+        + f"  acked lost {out.acked_lost}"
     )
     if out.with_pgjobs:
         first = "never" if out.first_item_s is None else f"{out.first_item_s:.2f} s"
         line += (
-            f"  first item {first}  latency p50 {ms(out.p50_ms)} ms p95 {ms(out.p95_ms)} ms"
+            f"  wrong {out.wrong}  first item {first}  latency p50 {ms(out.p50_ms)} ms p95 {ms(out.p95_ms)} ms"
             f" ({out.samples})  drained {out.drained}  alive {out.alive}"
             f"  traceback {'yes' if out.traceback else 'no'}"
             f"  SIGTERM stop {out.stop_s:.2f} s (exit {out.exit_code})"
