@@ -1,0 +1,382 @@
+"""No database call without a deadline, and a lost connection is no failure.
+
+Real PostgreSQL throughout: a statement stuck on the server with no
+server-side timeout, a half-open TCP connection (a proxy in the test that
+stops forwarding without closing, as pg-boss tests it) under the pool's
+ping, under a tick and under the listener, a backend terminated mid-tick.
+Each cut-off tick must end at its deadline as ``interrupted`` (not
+``failed``: no backoff), free its slot, and the next one run on a fresh
+connection. Ordered by events between statements; the only sleeps are the
+waits that a deadline itself must end.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine, make_url
+
+import pgjobs
+from pgjobs.deadline import DeadlineExceeded, bounded
+from pgjobs.listener import Listener
+from pgjobs.queue import channel, enqueue
+from pgjobs.results import Outcome, RunResult
+
+WAIT = 30.0  # upper bound on any wait; never reached when things work
+
+
+def wait_until(condition: object, timeout: float = WAIT, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.01)
+
+
+class Proxy:
+    """A TCP proxy to ``port`` on 127.0.0.1. :meth:`freeze` stops forwarding
+    on every connection it carries, without closing any (a half-open
+    connection, as a NAT or a failed-over host leaves it: the client's
+    kernel still sees a live peer); connections made after it are
+    forwarded as usual."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.lock = threading.Lock()
+        self.pairs: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            frozen = threading.Event()
+            with self.lock:
+                self.pairs.append((client, upstream, frozen))
+            threading.Thread(
+                target=self._pipe, args=(client, upstream, frozen), daemon=True
+            ).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, frozen: threading.Event) -> None:
+        ends = {a: b, b: a}
+        try:
+            while not self.closed.is_set():
+                if frozen.is_set():  # read nothing, write nothing, close nothing
+                    self.closed.wait(0.05)
+                    continue
+                ready, _, _ = select.select(list(ends), [], [], 0.05)
+                for end in ready:
+                    data = end.recv(65536)
+                    if not data:
+                        return
+                    ends[end].sendall(data)
+        except OSError:
+            return
+        finally:
+            if not frozen.is_set():
+                a.close()
+                b.close()
+
+    def freeze(self) -> int:
+        """Freeze every connection so far; how many."""
+        with self.lock:
+            for _, _, frozen in self.pairs:
+                frozen.set()
+            return len(self.pairs)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.close()
+        with self.lock:
+            for a, b, _ in self.pairs:
+                a.close()
+                b.close()
+
+
+@pytest.fixture
+def proxy(db_url: str) -> Iterator[Proxy]:
+    port = make_url(db_url).port or 5432
+    p = Proxy(port)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def through(db_url: str, proxy: Proxy) -> str:
+    return (
+        make_url(db_url)
+        .set(host="127.0.0.1", port=proxy.port)
+        .render_as_string(hide_password=False)
+    )
+
+
+class Results:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.all: list[tuple[float, RunResult]] = []
+
+    def __call__(self, result: RunResult) -> None:
+        with self.lock:
+            self.all.append((time.monotonic(), result))
+
+    def outcomes(self) -> list[str]:
+        with self.lock:
+            return [str(r.outcome) for _, r in self.all]
+
+    def first(self, outcome: Outcome) -> tuple[float, RunResult] | None:
+        with self.lock:
+            return next(((t, r) for t, r in self.all if r.outcome is outcome), None)
+
+
+def job_state(engine: Engine, job: str) -> tuple[int, object] | None:
+    with engine.connect() as conn:
+        row = conn.execute(
+            text("select failures, next_attempt_at from pgjobs.job_state where job = :j"),
+            {"j": job},
+        ).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
+# -- a statement stuck on the server ------------------------------------------------------
+@pytest.mark.parametrize("stuck", ["pg_sleep", "row lock"])
+def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadline(
+    engine: Engine, stuck: str
+) -> None:
+    """The job's body turns the server's timeouts off and then waits (a
+    sleep, or a row lock another connection holds): nothing on the server
+    ends it. The client's deadline (lock_timeout 0.5 s + statement_timeout
+    1 s + call_timeout 1 s = 2.5 s) does: the tick is ``interrupted``, its
+    slot is free, the scheduler retries it within a second on a fresh
+    connection, and the job keeps no failure. The abandoned backend goes
+    too (the server notices the closed socket)."""
+    with engine.begin() as conn:
+        conn.execute(text("create table item (id int primary key); insert into item values (1)"))
+    pgjobs.Runner(engine).install()
+    stuck_pid: list[int] = []
+    holder = engine.connect()
+    holder.begin()
+    holder.execute(text("select * from item for update"))
+
+    def body(conn):
+        if stuck_pid:
+            return None  # the retry: nothing stuck
+        conn.execute(text("select set_config('statement_timeout', '0', true)"))
+        conn.execute(text("select set_config('lock_timeout', '0', true)"))
+        stuck_pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+        if stuck == "pg_sleep":
+            conn.execute(text("select pg_sleep(60)"))
+        else:
+            conn.execute(text("select * from item for update"))
+        return None
+
+    job = pgjobs.TaskJob(
+        name="stuck", run=body, every="1h", lock_timeout="500ms", statement_timeout="1s"
+    )
+    results = Results()
+    scheduler = pgjobs.Scheduler([job], engine, on_result=results, call_timeout="1s")
+    started = time.monotonic()
+    try:
+        scheduler.start()
+        wait_until(lambda: results.first(Outcome.RAN), what="the retry ran")
+    finally:
+        scheduler.shutdown()
+        holder.close()
+    interrupted_at, interrupted = results.first(Outcome.INTERRUPTED) or (0.0, None)
+    ran_at, _ = results.first(Outcome.RAN) or (0.0, None)
+    assert interrupted is not None, results.outcomes()
+    assert "no answer from the server within 2.5 s" in (interrupted.error or "")
+    assert interrupted.sqlstate == "08006"
+    assert 2.5 <= interrupted_at - started < 6.0  # at the deadline, not later
+    assert ran_at - interrupted_at < 2.0  # retried within seconds (0.5 s)
+    assert results.outcomes() == ["interrupted", "ran"]
+    assert job_state(engine, "stuck")[0] == 0  # type: ignore[index]  # no failure, no backoff
+
+    def gone() -> bool:
+        with engine.connect() as conn:
+            return not conn.execute(
+                text("select count(*) from pg_stat_activity where pid = :p"), {"p": stuck_pid[0]}
+            ).scalar_one()
+
+    # client_connection_check_interval (1 s, the job's settings) ends it on
+    # the server; a lock wait ends when the holder lets go
+    wait_until(gone, timeout=10.0, what="the abandoned backend gone")
+
+
+def test_a_bounded_round_trip_abandons_its_connection_and_the_pool_connects_afresh(
+    engine: Engine,
+) -> None:
+    with pgjobs.Runner(engine, call_timeout="0.3s") as runner:
+        with runner.engine.connect() as conn:
+            first = conn.execute(text("select pg_backend_pid()")).scalar_one()
+            started = time.monotonic()
+            with pytest.raises(Exception) as caught:
+                conn.execute(text("select pg_sleep(30)"))
+            assert time.monotonic() - started < 2.0
+            assert isinstance(caught.value.orig, DeadlineExceeded)  # type: ignore[attr-defined]
+            assert conn.invalidated
+        with runner.engine.connect() as conn:
+            assert conn.execute(text("select pg_backend_pid()")).scalar_one() != first
+            # a block of its own bound, and the engine's bound after it
+            with bounded(conn, 5.0):
+                conn.execute(text("select pg_sleep(0.5)"))
+            conn.execute(text("select 1"))
+
+
+# -- half-open connections --------------------------------------------------------------
+def test_ticks_through_a_half_open_connection_notice_at_their_deadline_and_reconnect(
+    engine: Engine, db_url: str, proxy: Proxy
+) -> None:
+    """Through a proxy that stops forwarding: (1) the pool's pre-ping of the
+    pooled connection (what blocked forever in the field) gives up at
+    call_timeout and the tick runs on a fresh connection; (2) a tick whose
+    connection freezes mid-body is interrupted at its deadline, and the
+    next one runs."""
+    with engine.begin() as conn:
+        conn.execute(text("create table seen (n int)"))
+    pgjobs.Runner(engine).install()
+    in_body = threading.Event()
+    frozen = threading.Event()
+    calls: list[int] = []
+
+    def body(conn):
+        calls.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+        conn.execute(text("insert into seen values (:n)"), {"n": len(calls)})
+        if len(calls) == 2:
+            in_body.set()
+            assert frozen.wait(WAIT)
+            conn.execute(text("select 1"))  # never answered
+        return None
+
+    job = pgjobs.TaskJob(name="t", run=body, lock_timeout="500ms", statement_timeout="1s")
+    url = through(db_url, proxy)
+    with pgjobs.Runner(url, call_timeout="1s") as runner:
+        assert runner.tick(job, force=True).outcome == "ran"
+        assert proxy.freeze() == 1  # the pooled connection, half-open now
+        started = time.monotonic()
+        results: list[RunResult] = []
+        worker = threading.Thread(target=lambda: results.append(runner.tick(job, force=True)))
+        worker.start()
+        # (1) its pre-ping: no answer within 1 s, then the body on a fresh connection
+        assert in_body.wait(WAIT)
+        ping_seconds = time.monotonic() - started
+        # (2) which freezes under the body
+        assert proxy.freeze() == 2
+        frozen.set()
+        worker.join(WAIT)
+        assert not worker.is_alive()
+        frozen_seconds = time.monotonic() - started - ping_seconds
+        (cut,) = results
+        assert cut.outcome == "interrupted", cut
+        assert "no answer from the server within 2.5 s" in (cut.error or "")
+        # The server's side of a half-open connection lives on (here the
+        # proxy keeps it open; a NAT that forgot it leaves it so until the
+        # server's own keepalives), with the group lock: the next tick, on a
+        # fresh connection, finds the group busy, never blocks on it.
+        assert runner.tick(job, force=True).outcome == "busy"
+        with engine.connect() as admin:  # what the server's keepalives would do
+            admin.execute(text("select pg_terminate_backend(:p)"), {"p": calls[1]})
+        wait_until(lambda: runner.tick(job, force=True).outcome == "ran", what="ran again")
+    assert 1.0 <= ping_seconds < 4.0, ping_seconds
+    assert 2.5 <= frozen_seconds < 6.0, frozen_seconds
+    with engine.connect() as conn:
+        assert conn.execute(text("select array_agg(n order by n) from seen")).scalar_one() == [
+            1,
+            3,
+        ]
+        outcomes = conn.execute(
+            text("select array_agg(outcome order by id) from pgjobs.run where job = 't'")
+        ).scalar_one()
+    assert outcomes == ["ran", "interrupted", "ran"]  # busy ticks are counted, not logged
+
+
+def test_the_listener_notices_a_half_open_connection_and_listens_again(
+    engine: Engine, db_url: str, proxy: Proxy
+) -> None:
+    pgjobs.Runner(engine).install()
+    woken: list[str] = []
+    lost = threading.Event()
+    back: list[str] = []
+    listener_engine = create_engine(through(db_url, proxy))
+    pgjobs.Runner(listener_engine).close()  # bounds the engine (call_timeout 10 s)
+    listener = Listener(
+        listener_engine,
+        ["w"],
+        schema="pgjobs",
+        wake=woken.append,
+        on_lost=lambda exc: lost.set(),
+        on_back=back.append,
+        retry=(0.1, 0.5),
+        check_every=0.5,
+        check_timeout=1.0,
+    )
+    listener.start()
+    try:
+        assert listener.listening.wait(WAIT)
+        with engine.begin() as conn:
+            enqueue(conn, "w", [1])
+        wait_until(lambda: woken == ["w"], what="woken through the proxy")
+        started = time.monotonic()
+        proxy.freeze()
+        assert lost.wait(WAIT)
+        noticed = time.monotonic() - started
+        wait_until(lambda: back, what="listening again")
+        woken.clear()
+        with engine.begin() as conn:
+            enqueue(conn, "w", [2])
+        wait_until(lambda: "w" in woken, what="woken after the reconnect")
+    finally:
+        listener.stop()
+        listener_engine.dispose()
+    # silent for check_every (0.5 s), then a check unanswered for check_timeout (1 s)
+    assert 1.0 <= noticed < 3.5, noticed
+    assert back == [f"127.0.0.1:{proxy.port}"]
+    assert channel("pgjobs", "w") in listener.channels
+
+
+# -- a backend terminated mid-tick under the scheduler -----------------------------------
+def test_a_backend_terminated_mid_tick_is_retried_within_seconds_without_backoff(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    pgjobs.Runner(engine).install()
+    pid: list[int] = []
+    sleeping = threading.Event()
+
+    def body(conn):
+        if not pid:
+            pid.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+            sleeping.set()
+            conn.execute(text("select pg_sleep(60)"))
+        return None
+
+    job = pgjobs.TaskJob(name="k", run=body, every="1h", backoff="1h")
+    results = Results()
+    caplog.set_level(logging.INFO, logger="pgjobs")
+    with pgjobs.Scheduler([job], engine, on_result=results):
+        assert sleeping.wait(WAIT)
+        with engine.connect() as admin:
+            assert admin.execute(text("select pg_terminate_backend(:p)"), {"p": pid[0]}).scalar()
+        wait_until(lambda: results.first(Outcome.RAN), what="the retry ran")
+    (at_cut, cut), (at_ran, _) = results.all[:2]
+    assert (str(cut.outcome), cut.sqlstate) == ("interrupted", "57P01")
+    assert cut.retry_after == timedelta(seconds=0.5)
+    assert at_ran - at_cut < 2.0
+    assert job_state(engine, "k")[0] == 0  # type: ignore[index]
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("backing off" in line for line in lines), lines
+    assert sum("k: interrupted" in line for line in lines) == 1, lines
+    assert sum("k: gets through again" in line for line in lines) == 1, lines
