@@ -94,6 +94,8 @@ def one(f: Formation, name: str, workdir: Path, args: argparse.Namespace) -> dic
     print(f"{name:10} {'ok  ' if ok else 'FAIL'} load {load:.1f}  {describe(out)}", flush=True)
     for line in out.notable if (args.verbose or not ok) else []:
         print(f"           | {line}", flush=True)
+    for line in out.failover.waiting:
+        print(f"           ~ {line}", flush=True)
     for line in out.stacks:
         print(f"           ! {line}", flush=True)
     return {"name": name, "ok": ok, "load": load, **asdict(out)}
@@ -124,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
-    parser.add_argument("--url-form", choices=("sqlalchemy", "libpq"), default="sqlalchemy")
+    parser.add_argument("--url-form", choices=("sqlalchemy", "libpq"), default="libpq")
     parser.add_argument("-v", "--verbose", action="store_true", help="pgjobs run's lines always")
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)

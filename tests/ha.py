@@ -94,6 +94,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def client_ports(pid: int) -> set[int]:
+    """The local TCP ports of process ``pid``'s sockets (its connections'
+    client ports, as a backend's ps title shows them): its socket fds'
+    inodes, looked up in /proc/net/tcp and tcp6."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -106,6 +127,19 @@ class Node:
             return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
         except (OSError, ValueError):
             return None
+
+    def waiting_backends(self) -> list[str]:
+        """The ps titles of this server's backends that wait: "waiting for
+        <LSN>" is a commit waiting for a synchronous standby (these keep a
+        fast shutdown, and so a switchover, from finishing)."""
+        pid = self.postmaster_pid()
+        titles = []
+        for child in _children().get(pid or -1, []):
+            with contextlib.suppress(OSError):
+                title = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+                if b"waiting for" in title:
+                    titles.append(title.decode(errors="replace").strip())
+        return titles
 
 
 class Formation:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ha import Formation
+from ha import Formation, Node, client_ports
 from psycopg import sql
 
 import pgjobs
@@ -216,9 +217,26 @@ class Failover:
     new: int
     done_s: float = float("nan")  # switchover: the command's own length
     command_error: str | None = None  # switchover: what pg_autoctl said if it failed
+    #: switchover: the old primary's backends seen waiting for a synchronous standby
+    waiting: list[str] = field(default_factory=list)
 
 
-def fail(f: Formation, kind: str) -> Failover:
+def _watch_waiting(node: Node, pgjobs_pid: int | None, until: threading.Event) -> list[str]:
+    """Until ``until``: every distinct backend of ``node`` seen waiting for a
+    synchronous standby, each marked [pgjobs run] when its client port is one
+    of that process's connections (sampled every 100 ms)."""
+    seen: dict[str, None] = {}
+    while not until.wait(0.1):
+        titles = node.waiting_backends()
+        ports = client_ports(pgjobs_pid) if titles and pgjobs_pid else set()
+        for title in titles:
+            port = re.search(r"\((\d+)\)", title)
+            whose = "[pgjobs run]" if port and int(port.group(1)) in ports else "[other]"
+            seen[re.sub(r"waiting for \S+", "waiting for <lsn>", title) + " " + whose] = None
+    return list(seen)
+
+
+def fail(f: Formation, kind: str, pgjobs_pid: int | None = None) -> Failover:
     """A planned switchover or a crash of the primary, timed (see the module)."""
     old = f.wait_healthy()
     started = time.time()
@@ -227,18 +245,26 @@ def fail(f: Formation, kind: str) -> Failover:
         at, new = f.wait_writable(after=started)
         return Failover(kind, started, at, old.port, new.port)
     result: dict[str, Any] = {}
+    done = threading.Event()
 
     def switch() -> None:
         result["error"] = f.switchover()
         result["done"] = time.time()
+        done.set()
 
-    thread = threading.Thread(target=switch, daemon=True)
-    thread.start()
+    def watch() -> None:
+        result["waiting"] = _watch_waiting(old, pgjobs_pid, done)
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (switch, watch)]
+    for thread in threads:
+        thread.start()
     at, new = f.wait_writable(after=started, not_on=old)
-    thread.join(120)  # bounded by the command's own timeout (switchover())
+    for thread in threads:
+        thread.join(120)  # bounded by the command's own timeout (switchover())
     out = Failover(kind, started, at, old.port, new.port)
     out.done_s = result.get("done", float("nan")) - started
     out.command_error = result.get("error", "still running after 120 s")
+    out.waiting = result.get("waiting", [])
     return out
 
 
@@ -323,7 +349,7 @@ def scenario(
     with_pgjobs: bool = True,
     before: float = 3.0,
     after: float = 10.0,
-    url_form: str = "sqlalchemy",
+    url_form: str = "libpq",
 ) -> Outcome:
     """One failover (``kind``: "switchover" or "crash") with users throughout,
     and ``pgjobs run`` unless not ``with_pgjobs``; measured (see the module)."""
@@ -352,7 +378,7 @@ def _live(
     users.start()
     try:
         time.sleep(before)  # the scenario's length before the failure, not an ordering
-        failover = fail(f, kind)
+        failover = fail(f, kind, run.process.pid if run else None)
         time.sleep(max(0.0, failover.writable_at + after - time.time()))  # users go on
     finally:
         users.stop()
@@ -381,6 +407,11 @@ def describe(out: Outcome) -> str:
         f"{fo.kind:10} writable {fo.writable_at - fo.started:5.2f} s"
         + (f" (command {fo.done_s:5.2f} s)" if fo.kind == "switchover" else "")
         + (f" [switchover failed: {fo.command_error}]" if fo.command_error else "")
+        + (
+            f"  old primary's backends waiting for a standby: {len(fo.waiting)}"
+            if fo.waiting
+            else ""
+        )
         + f"  commits {out.commits}  user errors {out.user_errors or 0}"
         + f"  acked lost {out.acked_lost}"
     )

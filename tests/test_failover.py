@@ -52,6 +52,8 @@ def test_planned_switchover(ha: Formation, tmp_path: Path) -> None:
     assert out.failover.new != out.failover.old  # the other node took over
     # pgjobs does not slow the failover down (users alone: about 4 s here)
     assert out.failover.command_error is None, describe(out)
+    # none of its sessions keeps the old primary's shutdown waiting for a standby
+    assert not [w for w in out.failover.waiting if "[pgjobs run]" in w], out.failover.waiting
     assert out.failover.writable_at - out.failover.started <= SWITCHOVER_BOUND, describe(out)
     check(out)
 
