@@ -94,6 +94,8 @@ def one(f: Formation, name: str, workdir: Path, args: argparse.Namespace) -> dic
     print(f"{name:10} {'ok  ' if ok else 'FAIL'} load {load:.1f}  {describe(out)}", flush=True)
     for line in out.notable if (args.verbose or not ok) else []:
         print(f"           | {line}", flush=True)
+    if out.failover.phases:
+        print(f"           states reached (s): {out.failover.phase_text()}", flush=True)
     for line in out.failover.waiting:
         print(f"           ~ {line}", flush=True)
     for line in out.stacks:
@@ -113,6 +115,16 @@ def summary(results: list[dict[str, Any]]) -> None:
             line += f"  writable {statistics.median(writable):.2f} s (max {max(writable):.2f})"
         if command:
             line += f"  command {statistics.median(command):.2f} s (max {max(command):.2f})"
+        demoted = [
+            at
+            for r in done
+            for at, port, state in r["failover"].get("phases", [])
+            if state == "demoted" and port == r["failover"]["old"]
+        ]
+        if demoted:  # the old primary's shutdown: what pgjobs' sessions could slow down
+            line += (
+                f"  old primary demoted {statistics.median(demoted):.2f} s (max {max(demoted):.2f})"
+            )
         firsts = [r["first_item_s"] for r in done if r.get("first_item_s") is not None]
         p50s = [r["p50_ms"] for r in done if r.get("p50_ms") is not None]
         if firsts:
@@ -128,7 +140,11 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     parser.add_argument("--url-form", choices=("sqlalchemy", "libpq"), default="libpq")
     parser.add_argument("-v", "--verbose", action="store_true", help="pgjobs run's lines always")
+    parser.add_argument("--summary-of", metavar="JSON", help="print the summary of a past run")
     args = parser.parse_args()
+    if args.summary_of:
+        summary(json.loads(Path(args.summary_of).read_text()))
+        return
     print(f"machine: {machine()}", flush=True)
     results: list[dict[str, Any]] = []
     f = Formation()

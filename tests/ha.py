@@ -253,11 +253,13 @@ class Formation:
         self.wait_healthy()
 
     # -- observing ----------------------------------------------------------------------
-    def _monitor_query(self, sql: str) -> list[tuple[Any, ...]] | None:
+    def _monitor_query(
+        self, sql: str, params: tuple[Any, ...] = ()
+    ) -> list[tuple[Any, ...]] | None:
         try:
             with psycopg.connect(self.monitor_url, connect_timeout=2, autocommit=True) as conn:
                 conn.execute("set statement_timeout = '5s'")
-                return conn.execute(sql).fetchall()
+                return conn.execute(sql, params).fetchall()
         except psycopg.Error:
             return None
 
@@ -271,6 +273,17 @@ class Formation:
             int(port): str(reported) if reported == goal else f"{reported}->{goal}"
             for port, reported, goal in rows or []
         }
+
+    def reached(self, since: float) -> list[tuple[float, int, str]]:
+        """The states nodes reached after ``since`` (time.time()), from the
+        monitor's event log: (when, the node's port, the state), in order."""
+        rows = self._monitor_query(
+            "select extract(epoch from eventtime)::float8, nodeport, reportedstate::text"
+            " from pgautofailover.event where reportedstate = goalstate"
+            " and eventtime > to_timestamp(%s) order by eventid",
+            (since,),
+        )
+        return [(float(at), int(port), str(state)) for at, port, state in rows or []]
 
     def primary(self) -> Node:
         """The node the monitor has as primary (waits for one)."""

@@ -219,6 +219,16 @@ class Failover:
     command_error: str | None = None  # switchover: what pg_autoctl said if it failed
     #: switchover: the old primary's backends seen waiting for a synchronous standby
     waiting: list[str] = field(default_factory=list)
+    #: switchover: the states each node reached, seconds after the start (the monitor's events)
+    phases: list[tuple[float, int, str]] = field(default_factory=list)
+
+    def phase_text(self) -> str:
+        """ "old: draining 0.4, demoted 3.1, ... | new: ...", from :attr:`phases`."""
+        parts = []
+        for label, port in (("old", self.old), ("new", self.new)):
+            reached = [f"{state} {at:.1f}" for at, p, state in self.phases if p == port]
+            parts.append(f"{label}: " + ", ".join(reached))
+        return " | ".join(parts)
 
 
 def _watch_waiting(node: Node, pgjobs_pid: int | None, until: threading.Event) -> list[str]:
@@ -265,6 +275,7 @@ def fail(f: Formation, kind: str, pgjobs_pid: int | None = None) -> Failover:
     out.done_s = result.get("done", float("nan")) - started
     out.command_error = result.get("error", "still running after 120 s")
     out.waiting = result.get("waiting", [])
+    out.phases = [(at - started, port, state) for at, port, state in f.reached(started)]
     return out
 
 
