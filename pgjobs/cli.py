@@ -565,6 +565,8 @@ def _status(
                 "failures": state.get("failures", 0),
                 "last_error": state.get("last_error"),
                 "last_sqlstate": state.get("last_sqlstate"),
+                # runs cut off by a lost connection since it last ran (docs/failover.md)
+                "interrupted": read.interrupted.get(name, 0),
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
             }
@@ -605,7 +607,8 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 table.append(
                     [
                         r["job"] + ("" if r["registered"] else " (unregistered)"),
-                        r["last_outcome"] or "never ran",
+                        (r["last_outcome"] or "never ran")
+                        + (f" ({r['interrupted']:,} interrupted)" if r["interrupted"] else ""),
                         _ago(r["last_at"], now),
                         _until(r["next_attempt_at"], now),
                         f"{r['failures']:,}",

@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
-from sqlalchemy import create_engine
+import psycopg
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -121,7 +122,7 @@ def resolve_engine(
     sets its own (:mod:`pgjobs.deadline`).
     """
     if isinstance(database, Engine):
-        bound_engine(database, call_timeout)
+        bound_engine(database, call_timeout, own=False)
         return database, False
     url = database if database is not None else os.environ.get(ENV_URL)
     if not url:
@@ -140,10 +141,28 @@ def resolve_engine(
     connect_args: dict[str, Any] = {
         name: value for name, value in CONNECT_DEFAULTS.items() if name not in parsed.query
     }
-    if transaction_pooling():
+    pooled = transaction_pooling()
+    if pooled:
         # A statement prepared on one server session is unknown on the next.
         connect_args["prepare_threshold"] = None
     # the pool's pre-ping is a round trip like any other: bounded (call_timeout)
     engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
     bound_engine(engine, call_timeout)
+    if not pooled:
+        event.listen(engine, "connect", _local_commit)
     return engine, True
+
+
+def _local_commit(dbapi_conn: Any, record: Any) -> None:
+    """The session's commits wait for this server's disk, never for a
+    synchronous standby: also the one a backend makes as it exits, dropping
+    the session's temp tables (the queue worker's). On a primary told to
+    shut down that commit waited for a standby the switchover had taken
+    away: the backend stood as ``idle waiting for <LSN>``, and the primary's
+    fast shutdown for 60 s and more. (Not behind a transaction pooler: a
+    session setting would reach other clients' transactions there.)"""
+    if isinstance(dbapi_conn, psycopg.Connection):
+        idle = dbapi_conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        dbapi_conn.execute("set synchronous_commit = local")
+        if idle and not dbapi_conn.autocommit:
+            dbapi_conn.commit()

@@ -10,11 +10,13 @@ primary: the tick's slot stayed taken, and the process never ran another
 tick.
 
 :func:`bound_engine` puts every connection of an engine under
-:class:`BoundedConnection` (a class swap at connect and at checkout, for
-engines of the user's too): each of its waits for the server (a round trip:
-a statement, a pipeline's sync, a COMMIT, the pool's ping) has a deadline,
-the connection's :func:`bound` (``call_timeout`` unless a tick set its own,
-see :func:`bounded`). psycopg's own wait loop enforces it (it wakes every
+:class:`BoundedConnection` (a class swap at connect, for engines of the
+user's too): each of its waits for the server (a round trip: a statement,
+a pipeline's sync, a COMMIT, the pool's ping) has a deadline, the
+connection's :func:`bound`: ``call_timeout`` for the pool's ping, and
+while pgjobs uses it (a tick sets its own, see :func:`bounded`). On an
+engine pgjobs created, always; on a user's, the user's own statements
+keep no deadline (a checkout sets none; pgjobs sets one for its use). psycopg's own wait loop enforces it (it wakes every
 0.1 s anyway): the cost is one Python call per round trip, about 0.2 µs,
 and no thread. Past the deadline the connection is abandoned
 (:func:`abandon_connection`: its socket shut down and the libpq connection
@@ -66,12 +68,17 @@ class DeadlineExceeded(psycopg.OperationalError):
     abandoned (its socket shut down) and will not be used again."""
 
 
+#: psycopg's own wait, which the bounded one calls (looked up once: it runs
+#: for every statement, about 7 times per round trip in a pipeline)
+_plain_wait = psycopg.Connection.wait
+
+
 class BoundedConnection(psycopg.Connection[Any]):
     """A psycopg connection whose every wait for the server has a deadline:
     :attr:`pgjobs_bound` seconds (0: none)."""
 
     #: the deadline of one wait, in seconds (0: none); set per connection
-    pgjobs_bound: float = DEFAULT_CALL_TIMEOUT
+    pgjobs_bound: float = 0.0
 
     def wait(
         self,
@@ -80,11 +87,11 @@ class BoundedConnection(psycopg.Connection[Any]):
         timeout: float | None = None,
     ) -> Any:
         bound = self.pgjobs_bound
-        if timeout is not None or bound <= 0:
+        if timeout is not None or not bound:
             # a wait with a timeout of its own (notifies(timeout=...)): the caller's
-            return psycopg.Connection.wait(self, gen, interval, timeout)
+            return _plain_wait(self, gen, interval, timeout)
         try:
-            return psycopg.Connection.wait(self, gen, interval, bound)
+            return _plain_wait(self, gen, interval, bound)
         except _WaitTimeout:
             abandon_connection(self, owner=True)
             raise DeadlineExceeded(
@@ -141,29 +148,31 @@ def _adopt(raw: psycopg.Connection[Any]) -> None:
 _BOUND_ENGINES = "pgjobs_call_timeout"
 
 
-def bound_engine(engine: Engine, call_timeout: float) -> None:
-    """Bound every connection of ``engine``: each round trip at most
-    ``call_timeout`` seconds unless a tick sets its own (:func:`bounded`).
-    Idempotent; a second call changes the timeout of new checkouts."""
+def bound_engine(engine: Engine, call_timeout: float, *, own: bool = True) -> None:
+    """Bound the connections of ``engine``: the pool's ping (at connect and
+    checkin the bound is ``call_timeout``, which the ping at the next
+    checkout finds) and, when the engine is pgjobs' ``own``, every round
+    trip unless a tick sets its own (:func:`bounded`). A user's engine gets
+    no bound at checkout: pgjobs bounds its own use of it (:func:`bounded`).
+    Idempotent; a second call changes the timeout."""
     already = _BOUND_ENGINES in engine.__dict__
     engine.__dict__[_BOUND_ENGINES] = call_timeout
     if already:
         return
 
-    def timeout_of() -> float:
-        return float(engine.__dict__[_BOUND_ENGINES])
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, record: Any) -> None:
+    def for_ping(dbapi_conn: Any, *_: Any) -> None:
         if isinstance(dbapi_conn, psycopg.Connection):
-            bound(dbapi_conn, timeout_of())
+            bound(dbapi_conn, float(engine.__dict__[_BOUND_ENGINES]))
 
-    @event.listens_for(engine, "checkout")
-    def _on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        # connections made before the engine was bounded, and a bound a tick
-        # left behind (it restores it, unless it failed in between)
+    def for_use(dbapi_conn: Any, *_: Any) -> None:
+        # also resets a bound a tick left behind (it restores it, unless its
+        # connection failed in between)
         if isinstance(dbapi_conn, psycopg.Connection):
-            bound(dbapi_conn, timeout_of())
+            bound(dbapi_conn, float(engine.__dict__[_BOUND_ENGINES]) if own else 0.0)
+
+    event.listen(engine, "connect", for_ping)
+    event.listen(engine, "checkin", for_ping)
+    event.listen(engine, "checkout", for_use)
 
 
 def call_timeout_of(engine: Engine) -> float:

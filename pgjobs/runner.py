@@ -15,12 +15,13 @@ Why each step is as it is: ``docs/DESIGN.md``, "The run protocol".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -233,6 +234,14 @@ class Runner:
         self._unrecorded: dict[str, Failure] = {}
         self._unrecorded_lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A connection of the engine for pgjobs' bookkeeping: each of its
+        round trips at most :attr:`call_timeout` (on an Engine of the
+        user's too, where the user's own statements have no deadline)."""
+        with self.engine.connect() as conn, bounded(conn, self.call_timeout):
+            yield conn
+
     def close(self) -> None:
         """Write what is still counted or unrecorded (if the database is
         there), and dispose of the engine if this runner created it."""
@@ -252,7 +261,7 @@ class Runner:
         if not failures and not jobs:
             return
         try:
-            with self.engine.connect() as conn, conn.begin():
+            with self.connect() as conn, conn.begin():
                 later(conn, *LOCAL_COMMIT_SQL)
                 for failure in failures.values():
                     later(conn, *failure.state_query(self.store))
@@ -282,7 +291,7 @@ class Runner:
                     exc_info=True,
                 )
         try:
-            with self.engine.connect() as other:
+            with self.connect() as other:
                 return self._save_failure(other, failure)
         except Exception:
             with self._unrecorded_lock:
@@ -316,7 +325,7 @@ class Runner:
         the database takes it (a standby does not): best effort, its job's
         state is left as it is."""
         try:
-            with self.engine.connect() as conn, conn.begin():
+            with self.connect() as conn, conn.begin():
                 later(conn, *LOCAL_COMMIT_SQL)
                 (recorded,) = send(conn, self.store.run_query(result, self.worker))
             return replace(result, run_id=int(recorded.scalar()))
@@ -326,7 +335,7 @@ class Runner:
 
     def install(self) -> None:
         """Create pgjobs' schema if it is missing (also done by the first tick)."""
-        with self.engine.connect() as conn:
+        with self.connect() as conn:
             self._ensure(conn)
 
     def _ensure(self, conn: Connection) -> None:
@@ -351,7 +360,7 @@ class Runner:
         """
         if self._unrecorded:
             self.flush()
-        with self.engine.connect() as conn:
+        with self.connect() as conn:
             self._ensure(conn)
             return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
 
@@ -374,7 +383,7 @@ class Runner:
 
     def prune(self, keep: timedelta = timedelta(days=7)) -> int:
         """Delete run records older than ``keep``; returns how many."""
-        with self.engine.connect() as conn:
+        with self.connect() as conn:
             self._ensure(conn)
             with conn.begin():
                 send(conn, LOCAL_COMMIT_SQL)

@@ -71,6 +71,8 @@ class Status:
     last: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: each job's last run that ran
     last_ran: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per job, its runs ``interrupted`` (a lost connection) since it last ran
+    interrupted: dict[str, int] = field(default_factory=dict)
 
 
 def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
@@ -317,6 +319,12 @@ class Store:
             " where r.job = s.job {only} order by r.started_at desc, r.id desc limit 1) as r"
         )
         state, run = self.table("job_state"), self.table("run")
+        # per job, a probe of the (job, started_at) index from its last success
+        interrupted = sql.SQL(
+            "select s.job, (select count(*) from {run} as r where r.job = s.job"
+            " and r.started_at > coalesce(s.last_success_at, '-infinity')"
+            " and r.outcome = 'interrupted') from {state} as s"
+        ).format(state=state, run=run)
         return Status(
             now=now[0],
             installed=True,
@@ -328,6 +336,7 @@ class Store:
                     latest.format(state=state, run=run, only=sql.SQL("and r.outcome = 'ran'")),
                 )
             ),
+            interrupted={job: n for job, n in execute(conn, interrupted) if n},
         )
 
     def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:

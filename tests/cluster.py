@@ -24,7 +24,9 @@ from pathlib import Path
 def _bin_dir() -> Path:
     found = shutil.which("pg_ctl")
     if found:
-        return Path(found).parent
+        # a symlink on PATH (/usr/local/bin/pg_ctl): the tools beside it are
+        # where it points (pg_basebackup, initdb of the same version)
+        return Path(found).resolve().parent
     versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
     if not versions:
         raise RuntimeError(

@@ -12,6 +12,7 @@ waits that a deadline itself must end.
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -48,8 +49,9 @@ class Proxy:
     kernel still sees a live peer); connections made after it are
     forwarded as usual."""
 
-    def __init__(self, port: int) -> None:
-        self.target = port
+    def __init__(self, target: int | str) -> None:
+        #: a TCP port on 127.0.0.1, or a Unix socket's path
+        self.target = target
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.lock = threading.Lock()
@@ -63,7 +65,11 @@ class Proxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            if isinstance(self.target, int):
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            else:
+                upstream = socket.socket(socket.AF_UNIX)
+                upstream.connect(self.target)
             frozen = threading.Event()
             with self.lock:
                 self.pairs.append((client, upstream, frozen))
@@ -109,8 +115,12 @@ class Proxy:
 
 @pytest.fixture
 def proxy(db_url: str) -> Iterator[Proxy]:
-    port = make_url(db_url).port or 5432
-    p = Proxy(port)
+    url = make_url(db_url)
+    host = url.host or url.query.get("host")
+    target: int | str = url.port or 5432
+    if isinstance(host, str) and host.startswith("/"):  # the embedded server's socket
+        target = f"{host}/.s.PGSQL.{url.port or 5432}"
+    p = Proxy(target)
     try:
         yield p
     finally:
@@ -118,11 +128,8 @@ def proxy(db_url: str) -> Iterator[Proxy]:
 
 
 def through(db_url: str, proxy: Proxy) -> str:
-    return (
-        make_url(db_url)
-        .set(host="127.0.0.1", port=proxy.port)
-        .render_as_string(hide_password=False)
-    )
+    url = make_url(db_url).difference_update_query(["host"])
+    return url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
 
 class Results:
@@ -220,8 +227,10 @@ def test_a_statement_stuck_without_a_server_timeout_frees_its_slot_at_the_deadli
 def test_a_bounded_round_trip_abandons_its_connection_and_the_pool_connects_afresh(
     engine: Engine,
 ) -> None:
+    """pgjobs' use of an Engine of the user's is bounded (call_timeout);
+    the user's own statements on it are not."""
     with pgjobs.Runner(engine, call_timeout="0.3s") as runner:
-        with runner.engine.connect() as conn:
+        with runner.connect() as conn:
             first = conn.execute(text("select pg_backend_pid()")).scalar_one()
             started = time.monotonic()
             with pytest.raises(Exception) as caught:
@@ -229,12 +238,15 @@ def test_a_bounded_round_trip_abandons_its_connection_and_the_pool_connects_afre
             assert time.monotonic() - started < 2.0
             assert isinstance(caught.value.orig, DeadlineExceeded)  # type: ignore[attr-defined]
             assert conn.invalidated
-        with runner.engine.connect() as conn:
+        with runner.connect() as conn:
             assert conn.execute(text("select pg_backend_pid()")).scalar_one() != first
-            # a block of its own bound, and the engine's bound after it
+            # a block of its own bound, and the runner's bound after it
             with bounded(conn, 5.0):
                 conn.execute(text("select pg_sleep(0.5)"))
-            conn.execute(text("select 1"))
+            with pytest.raises(Exception, match=r"no answer from the server within 0\.3 s"):
+                conn.execute(text("select pg_sleep(0.6)"))
+        with engine.connect() as conn:  # the user's own: no deadline
+            conn.execute(text("select pg_sleep(0.6)"))
 
 
 # -- half-open connections --------------------------------------------------------------
@@ -380,3 +392,84 @@ def test_a_backend_terminated_mid_tick_is_retried_within_seconds_without_backoff
     assert not any("backing off" in line for line in lines), lines
     assert sum("k: interrupted" in line for line in lines) == 1, lines
     assert sum("k: gets through again" in line for line in lines) == 1, lines
+
+
+def test_status_and_metrics_show_interruptions_since_the_last_run(
+    engine: Engine, db_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from pgjobs.cli import cli
+    from pgjobs.metrics import Metrics
+
+    pids: list[int] = []
+    sleeping = threading.Event()
+    cut = threading.Event()
+
+    def body(conn):
+        if len(pids) < 3:
+            pids.append(conn.execute(text("select pg_backend_pid()")).scalar_one())
+            if len(pids) > 1:  # the first one runs
+                sleeping.set()
+                conn.execute(text("select pg_sleep(60)"))
+        return None
+
+    def terminate() -> None:
+        for _ in range(2):
+            assert sleeping.wait(WAIT)
+            sleeping.clear()
+            with engine.connect() as admin:
+                admin.execute(text("select pg_terminate_backend(:p)"), {"p": pids[-1]})
+        cut.set()
+
+    job = pgjobs.TaskJob(name="flaky", run=body)
+    metrics = Metrics()
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    with pgjobs.Runner(engine) as runner:
+        outcomes = []
+        for _ in range(3):
+            result = runner.tick(job, force=True)
+            metrics.observe(result)
+            outcomes.append(str(result.outcome))
+    killer.join(WAIT)
+    assert outcomes == ["ran", "interrupted", "interrupted"]
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(cli, ["status", "--database", db_url, "--json"])
+    assert shown.exit_code == 0, shown.output  # interrupted is not failing
+    (row,) = json.loads(shown.output)["jobs"]
+    assert (row["job"], row["last_outcome"], row["interrupted"], row["failures"]) == (
+        "flaky",
+        "interrupted",
+        2,
+        0,
+    )
+    table = CliRunner().invoke(cli, ["status", "--database", db_url])
+    assert "interrupted (2 interrupted)" in table.output, table.output
+    exposition = metrics.exposition().decode()
+    assert 'pgjobs_runs_total{job="flaky",outcome="interrupted"} 2.0' in exposition
+
+
+def test_engines_made_from_a_url_keep_alive_bound_their_connects_and_commit_locally(
+    db_url: str,
+) -> None:
+    from pgjobs.database import resolve_engine
+
+    url = make_url(db_url).update_query_dict({"keepalives_idle": "42"})
+    engine, owned = resolve_engine(url.render_as_string(hide_password=False))
+    assert owned
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            params = {o.keyword.decode(): o.val for o in raw.pgconn.info}  # type: ignore[union-attr]
+            local = conn.exec_driver_sql("show synchronous_commit").scalar_one()
+    finally:
+        engine.dispose()
+    assert params["keepalives_idle"] == b"42"  # the URL's own, kept
+    assert (params["keepalives"], params["keepalives_interval"], params["keepalives_count"]) == (
+        b"1",
+        b"5",
+        b"3",
+    )
+    assert (params["tcp_user_timeout"], params["connect_timeout"]) == (b"20000", b"5")
+    assert local == "local"
