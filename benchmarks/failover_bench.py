@@ -96,6 +96,8 @@ def one(f: Formation, name: str, workdir: Path, args: argparse.Namespace) -> dic
         print(f"           | {line}", flush=True)
     if out.failover.phases:
         print(f"           states reached (s): {out.failover.phase_text()}", flush=True)
+    for line in out.failover.events if not ok else []:
+        print(f"           monitor {line}", flush=True)
     for line in out.failover.waiting:
         print(f"           ~ {line}", flush=True)
     for line in out.stacks:

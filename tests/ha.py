@@ -285,6 +285,20 @@ class Formation:
         )
         return [(float(at), int(port), str(state)) for at, port, state in rows or []]
 
+    def events(self, since: float) -> list[str]:
+        """The monitor's event log after ``since``, one line each: seconds
+        after it, the node's port, its reported and goal state, the reason."""
+        rows = self._monitor_query(
+            "select extract(epoch from eventtime)::float8, nodeport, reportedstate::text,"
+            " goalstate::text, description from pgautofailover.event"
+            " where eventtime > to_timestamp(%s) order by eventid",
+            (since,),
+        )
+        return [
+            f"{float(at) - since:6.2f} s {port} {reported} -> {goal}: {description}"
+            for at, port, reported, goal, description in rows or []
+        ]
+
     def primary(self) -> Node:
         """The node the monitor has as primary (waits for one)."""
         found: list[Node] = []

@@ -221,6 +221,8 @@ class Failover:
     waiting: list[str] = field(default_factory=list)
     #: switchover: the states each node reached, seconds after the start (the monitor's events)
     phases: list[tuple[float, int, str]] = field(default_factory=list)
+    #: switchover: the monitor's event log meanwhile (why it assigned what it did)
+    events: list[str] = field(default_factory=list)
 
     def phase_text(self) -> str:
         """ "old: draining 0.4, demoted 3.1, ... | new: ...", from :attr:`phases`."""
@@ -276,6 +278,7 @@ def fail(f: Formation, kind: str, pgjobs_pid: int | None = None) -> Failover:
     out.command_error = result.get("error", "still running after 120 s")
     out.waiting = result.get("waiting", [])
     out.phases = [(at - started, port, state) for at, port, state in f.reached(started)]
+    out.events = f.events(started)
     return out
 
 

@@ -39,7 +39,11 @@ def check(out: Outcome) -> None:
     print(report)  # the figures, with -s or in a failure's captured output
     assert out.drained, report
     assert out.wrong == 0, report
-    assert out.acked_lost == 0, report
+    # changes users saw commit and the new primary lacks: the HA engine's loss, not
+    # pgjobs' (seen once in ten switchovers at load 9.6 on 2 cores: the monitor let
+    # the old primary write alone, in wait_primary, while the new one had stopped
+    # replicating); nothing can be proven about pgjobs' derivation on such a run
+    assert out.acked_lost == 0, report + "\n" + "\n".join(out.failover.events)
     assert out.first_item_s is not None and out.first_item_s <= FIRST_ITEM_BOUND, report
     assert out.p50_ms is not None and out.p50_ms < LATENCY_P50_MS, report
     assert out.samples >= 20, report  # latency measured on a real stream of changes
@@ -51,10 +55,11 @@ def test_planned_switchover(ha: Formation, tmp_path: Path) -> None:
     out = scenario(ha, "switchover", tmp_path)
     assert out.failover.new != out.failover.old  # the other node took over
     # pgjobs does not slow the failover down (users alone: about 4 s here)
-    assert out.failover.command_error is None, describe(out)
+    events = describe(out) + "\n" + "\n".join(out.failover.events)
+    assert out.failover.command_error is None, events
     # none of its sessions keeps the old primary's shutdown waiting for a standby
     assert not [w for w in out.failover.waiting if "[pgjobs run]" in w], out.failover.waiting
-    assert out.failover.writable_at - out.failover.started <= SWITCHOVER_BOUND, describe(out)
+    assert out.failover.writable_at - out.failover.started <= SWITCHOVER_BOUND, events
     check(out)
 
 
