@@ -232,6 +232,9 @@ class Runner:
         self.interruptions = Interruptions()
         #: failures that could not be written yet (the database was away), by job
         self._unrecorded: dict[str, Failure] = {}
+        #: interrupted runs that could not be written yet (the database was
+        #: away, or read-only), the last :data:`_LATE_MAX`
+        self._late: list[RunResult] = []
         self._unrecorded_lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -257,8 +260,9 @@ class Runner:
         and the counts of quiet ticks, to ``job_state`` and the run log."""
         with self._unrecorded_lock:
             failures, self._unrecorded = self._unrecorded, {}
+            late, self._late = self._late, []
         jobs = self.quiet.jobs()
-        if not failures and not jobs:
+        if not failures and not jobs and not late:
             return
         try:
             with self.connect() as conn, conn.begin():
@@ -266,6 +270,8 @@ class Runner:
                 for failure in failures.values():
                     later(conn, *failure.state_query(self.store))
                     later(conn, *self.store.run_query(failure.result, self.worker))
+                for result in late:
+                    later(conn, *self.store.run_query(result, self.worker))
                 for job in jobs:
                     self.quiet.queue_for(conn, job)
                 send(conn)
@@ -273,6 +279,7 @@ class Runner:
             with self._unrecorded_lock:
                 for job, failure in failures.items():
                     self._unrecorded.setdefault(job, failure)
+                self._late = [*late, *self._late][-_LATE_MAX:]
             raise
         for failure in failures.values():
             log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
@@ -322,15 +329,20 @@ class Runner:
 
     def record_interrupted(self, result: RunResult) -> RunResult:
         """Write an interrupted run to the run log, on a fresh connection, if
-        the database takes it (a standby does not): best effort, its job's
-        state is left as it is."""
+        the database takes it (a standby does not: then it is kept, and
+        written after the next tick that gets through); its job's state is
+        left as it is."""
         try:
             with self.connect() as conn, conn.begin():
                 later(conn, *LOCAL_COMMIT_SQL)
                 (recorded,) = send(conn, self.store.run_query(result, self.worker))
             return replace(result, run_id=int(recorded.scalar()))
         except Exception:
-            log.debug("pgjobs: %s: its interrupted run is not recorded", result.job, exc_info=True)
+            log.debug(
+                "pgjobs: %s: its interrupted run is kept for later", result.job, exc_info=True
+            )
+            with self._unrecorded_lock:
+                self._late = [*self._late, result][-_LATE_MAX:]
             return result
 
     def install(self) -> None:
@@ -362,7 +374,13 @@ class Runner:
             self.flush()
         with self.connect() as conn:
             self._ensure(conn)
-            return self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
+            result = self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
+        if self._late and result.outcome is not Outcome.INTERRUPTED:
+            try:
+                self.flush()
+            except Exception:
+                log.debug("pgjobs: the interrupted runs kept are not written yet", exc_info=True)
+        return result
 
     def tick_on(
         self,
@@ -796,6 +814,9 @@ class _Tick:
         logs.quiet(log, result)
         return result
 
+
+#: interrupted runs kept at most, while they cannot be written
+_LATE_MAX = 100
 
 _SESSION_CHANGED = (
     "{name}: chunked writes need one server session across their commits, and this"

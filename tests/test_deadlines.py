@@ -473,3 +473,89 @@ def test_engines_made_from_a_url_keep_alive_bound_their_connects_and_commit_loca
     )
     assert (params["tcp_user_timeout"], params["connect_timeout"]) == (b"20000", b"5")
     assert local == "local"
+
+
+@pytest.mark.parametrize("how", ["cancel", "abandon"])
+def test_a_statement_running_in_another_thread_is_cancelled_or_abandoned(
+    db_url: str, how: str
+) -> None:
+    """What a shutdown deadline uses: from another thread, cancel the
+    running statement (the connection stays usable), or abandon the
+    connection (its blocked wait returns at once, the connection broken)."""
+    import psycopg
+
+    from pgjobs.deadline import abandon_connection, cancel_statement
+
+    raw = psycopg.connect(db_url.replace("postgresql+psycopg://", "postgresql://"))
+    running = threading.Event()
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            running.set()
+            raw.execute("select pg_sleep(30)")
+        except BaseException as exc:  # what the statement's thread sees
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert running.wait(WAIT)
+    wait_until(
+        lambda: raw.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE,
+        what="the statement running",
+    )
+    started = time.monotonic()
+    if how == "cancel":
+        assert cancel_statement(raw, timeout=5.0)
+    else:
+        abandon_connection(raw)
+    thread.join(WAIT)
+    assert time.monotonic() - started < 3.0
+    (exc,) = caught
+    try:
+        if how == "cancel":
+            assert isinstance(exc, psycopg.errors.QueryCanceled)
+            raw.rollback()
+            assert raw.execute("select 1").fetchone() == (1,)
+        else:
+            assert isinstance(exc, psycopg.OperationalError)
+            assert raw.closed
+    finally:
+        raw.close()
+
+
+def test_interruptions_retry_soon_and_say_so_once_then_once_more_if_they_go_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pgjobs import records
+
+    now = [1000.0]
+    monkeypatch.setattr(records.time, "monotonic", lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger="pgjobs")
+    tracker = records.Interruptions()
+    delays = [tracker.note("j", "57P01") for _ in range(6)]
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]  # never the job's backoff
+    now[0] += 61.0
+    delays.append(tracker.note("j", "08006"))
+    now[0] += 60.0
+    delays.append(tracker.note("j", "08006"))
+    assert delays[-2:] == [8.0, 8.0]
+    assert tracker.streak("j") == (8, 121.0)
+    tracker.clear("j")
+    assert tracker.streak("j") is None
+    assert tracker.note("j", "57P01") == 0.5  # a new streak
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        "pgjobs: j: interrupted (57P01); not a failure of the job: retrying in 0.5 s on a"
+        " fresh connection",
+        "pgjobs: j: interrupted 7 times over 61 s (last: 08006); still retrying every 8 s at most",
+        "pgjobs: j: gets through again, after 8 interruption(s) over 121.0 s",
+        "pgjobs: j: interrupted (57P01); not a failure of the job: retrying in 0.5 s on a"
+        " fresh connection",
+    ]
+    # a tick that could not start says nothing itself (the outage line does)
+    quiet = records.Interruptions()
+    caplog.clear()
+    quiet.note("k", "down", quiet=True)
+    quiet.clear("k")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

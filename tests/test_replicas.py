@@ -130,6 +130,13 @@ def test_a_standby_only_url_says_so_once_keeps_trying_and_works_once_promoted(
         assert not any("failed" in line or "backing off" in line for line in lines), lines
         rows = psql(standby.url, "select failures from pgjobs.job_state where job = 't'")
         assert rows == [(0,)]
+        # the interrupted runs, kept while the server was read-only, written after
+        logged = psql(
+            standby.url,
+            "select outcome, sqlstate, count(*) from pgjobs.run where job = 't'"
+            " group by 1, 2 order by 1",
+        )
+        assert logged == [("interrupted", "25006", first_ran), ("ran", None, 1)]
         assert psql(standby.url, "select count(*) from done") == [(1,)]
     finally:
         standby.remove()
