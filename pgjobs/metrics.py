@@ -7,8 +7,9 @@ Two kinds of figures:
   ``on_result`` does, once :meth:`Metrics.bind` is called):
 
   ==========================================  ===================================
-  ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed, idle,
-                                              busy, not_due, backing_off
+  ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed,
+                                              interrupted, idle, busy, not_due,
+                                              backing_off
   ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
   ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
                                               lock to the end of the writes)
@@ -121,7 +122,8 @@ class Metrics:
             ProcessCollector(registry=r)
         self.runs = Counter(
             "pgjobs_runs",
-            "Ticks of each job by outcome (ran, failed, idle, busy, not_due, backing_off).",
+            "Ticks of each job by outcome (ran, failed, interrupted, idle, busy, not_due,"
+            " backing_off).",
             ["job", "outcome"],
             registry=r,
         )

@@ -3,21 +3,28 @@
 the counts of the ticks that changed nothing (``idle``, ``busy``,
 ``not_due``, ``backing_off``), kept per job until the next write; and the
 interruptions of each job (:class:`Interruptions`: runs cut off because the
-connection went away), with the short retry delay of their own."""
+connection went away, :func:`interruption` tells them from failures), with
+the short retry delay of their own; and the writes that outlive a tick
+(:class:`Ledger`), which never wait for a synchronous standby."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import later
+from ._pg import connection_lost, first_line, later, send, set_local, sqlstate_of
+from .deadline import exceeded
+from .jobs import Job
 from .results import RunResult
 from .store import Store
 
@@ -81,6 +88,62 @@ class QuietTicks:
 
 
 log = logging.getLogger("pgjobs.runner")
+
+#: pgjobs' own writes (failures, run records, tick counts, migrations) commit
+#: durably on this server without waiting for a synchronous standby: a
+#: commit waiting for one kept the old primary from shutting down for 60 s
+#: in a switchover (``docs/failover.md``)
+LOCAL_COMMIT = {"synchronous_commit": "local"}
+#: the statement that sets :data:`LOCAL_COMMIT`, to queue in a bookkeeping transaction
+LOCAL_COMMIT_SQL = set_local(LOCAL_COMMIT)
+#: seconds: the bound of one round trip of an installation (a migration may
+#: rewrite a table, or wait for another process installing)
+INSTALL_TIMEOUT = 300.0
+#: interrupted runs kept at most, while they cannot be written
+LATE_MAX = 100
+
+
+def tick_bound(job: Job, call_timeout: float) -> float:
+    """Seconds: the deadline of each round trip of ``job``'s ticks, its
+    ``lock_timeout`` + ``statement_timeout`` (what the server itself allows
+    a statement) + ``call_timeout`` as a margin; 0 (none) for a job without
+    a ``statement_timeout``."""
+    lock, statement = job.lock_timeout, job.statement_timeout
+    assert isinstance(lock, timedelta) and isinstance(statement, timedelta)
+    if statement <= timedelta(0):
+        return 0.0
+    return lock.total_seconds() + statement.total_seconds() + call_timeout
+
+
+def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None:
+    """(SQLSTATE, one line) when ``exc`` cut a run off without being the
+    job's fault: the connection is gone (class 08, 57P01-57P05, closed
+    under it), a deadline passed, or the server is a standby (a read-only
+    server, 25006: the URL reached a demoted primary or only a standby).
+    ``None``: the job's own failure."""
+    if exceeded(exc):
+        return "08006", f"no answer within the deadline: {first_line(exc)}"
+    if _read_only_server(conn):
+        return "25006", f"read-only server (SQLSTATE 25006): {first_line(exc)}"
+    if connection_lost(exc):
+        state = sqlstate_of(exc) or "08006"
+        return state, f"{first_line(exc)} (SQLSTATE {state})"
+    return None
+
+
+def _read_only_server(conn: Connection) -> bool:
+    """Is ``conn``'s server a hot standby, or read-only by default? Both
+    are reported by the server itself (PostgreSQL 14+): no round trip."""
+    if conn.invalidated or conn.closed:
+        return False
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection) or raw.closed:
+        return False
+    return "on" in (
+        raw.info.parameter_status("in_hot_standby"),
+        raw.info.parameter_status("default_transaction_read_only"),
+    )
+
 
 #: the first retry after an interruption, doubling up to :data:`RETRY_MAX`
 RETRY_FIRST = 0.5
@@ -173,4 +236,123 @@ class Interruptions:
             return None if streak is None else (streak.count, time.monotonic() - streak.since)
 
 
-__all__ = ["Failure", "Interruptions", "QuietTicks"]
+class Ledger:
+    """pgjobs' bookkeeping writes that outlive a tick: a failure recorded
+    on the tick's connection or a fresh one, an interrupted run written on
+    a fresh one; what the database cannot take now (it is away, or a
+    standby) is kept, and :meth:`flush` writes it (the runner calls it
+    before the next tick, or after one that got through). Every write
+    commits with :data:`LOCAL_COMMIT`."""
+
+    def __init__(
+        self,
+        store: Store,
+        worker: str,
+        quiet: QuietTicks,
+        connect: Callable[[], AbstractContextManager[Connection]],
+    ) -> None:
+        self.store = store
+        self.worker = worker
+        self.quiet = quiet
+        #: a bounded connection of the runner's engine
+        self.connect = connect
+        self._lock = threading.Lock()
+        #: failures that could not be written yet (the database was away), by job
+        self._unrecorded: dict[str, Failure] = {}
+        #: interrupted runs that could not be written yet, the last :data:`LATE_MAX`
+        self._late: list[RunResult] = []
+
+    @property
+    def failures_kept(self) -> bool:
+        return bool(self._unrecorded)
+
+    @property
+    def late_kept(self) -> bool:
+        return bool(self._late)
+
+    def flush(self) -> None:
+        """Write the failures and interrupted runs that could not be recorded
+        when they happened, and the counts of quiet ticks."""
+        with self._lock:
+            failures, self._unrecorded = self._unrecorded, {}
+            late, self._late = self._late, []
+        jobs = self.quiet.jobs()
+        if not failures and not jobs and not late:
+            return
+        try:
+            with self.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
+                for failure in failures.values():
+                    later(conn, *failure.state_query(self.store))
+                    later(conn, *self.store.run_query(failure.result, self.worker))
+                for result in late:
+                    later(conn, *self.store.run_query(result, self.worker))
+                for job in jobs:
+                    self.quiet.queue_for(conn, job)
+                send(conn)
+        except Exception:
+            with self._lock:
+                for job, failure in failures.items():
+                    self._unrecorded.setdefault(job, failure)
+                self._late = [*late, *self._late][-LATE_MAX:]
+            raise
+        for failure in failures.values():
+            log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
+
+    def record_failure(self, failure: Failure, conn: Connection) -> RunResult:
+        """Write ``failure`` on ``conn`` if it still works, else on a new
+        connection; else keep it and write it once the database answers
+        again (:meth:`flush`, before the next tick)."""
+        if not conn.invalidated:
+            try:
+                return self._save_failure(conn, failure)
+            except Exception:
+                log.debug(
+                    "pgjobs: recording %s's failure on its own connection failed",
+                    failure.result.job,
+                    exc_info=True,
+                )
+        try:
+            with self.connect() as other:
+                return self._save_failure(other, failure)
+        except Exception:
+            with self._lock:
+                self._unrecorded[failure.result.job] = failure
+            log.warning(
+                "pgjobs: %s: its failure cannot be recorded now (database unreachable);"
+                " kept until it can",
+                failure.result.job,
+            )
+            return failure.result
+
+    def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
+        with conn.begin():
+            later(conn, *LOCAL_COMMIT_SQL)
+            self.quiet.queue_for(conn, failure.result.job)
+            _, recorded = send(
+                conn,
+                failure.state_query(self.store),
+                self.store.run_query(failure.result, self.worker),
+            )
+        return replace(failure.result, run_id=int(recorded.scalar()))
+
+    def record_interrupted(self, result: RunResult) -> RunResult:
+        """Write an interrupted run to the run log, on a fresh connection, if
+        the database takes it (a standby does not: then it is kept, and
+        written after the next tick that gets through); its job's state is
+        left as it is."""
+        try:
+            with self.connect() as conn, conn.begin():
+                later(conn, *LOCAL_COMMIT_SQL)
+                (recorded,) = send(conn, self.store.run_query(result, self.worker))
+            return replace(result, run_id=int(recorded.scalar()))
+        except Exception:
+            log.debug(
+                "pgjobs: %s: its interrupted run is kept for later", result.job, exc_info=True
+            )
+            with self._lock:
+                self._late = [*self._late, result][-LATE_MAX:]
+            return result
+
+
+__all__ = ["Failure", "Interruptions", "Ledger", "QuietTicks", "interruption", "tick_bound"]

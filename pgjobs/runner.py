@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import socket
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -34,7 +33,6 @@ from . import logs
 from ._pg import (
     abandon,
     connection_lost,
-    first_line,
     later,
     open_transaction,
     send,
@@ -42,7 +40,7 @@ from ._pg import (
     sqlstate_of,
 )
 from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
-from .deadline import DEFAULT_CALL_TIMEOUT, bounded, exceeded
+from .deadline import DEFAULT_CALL_TIMEOUT, bounded
 from .durations import Duration, parse_duration
 from .errors import ConfigError, JobError
 from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
@@ -57,7 +55,16 @@ from .locking import (
     try_session_lock,
 )
 from .recompute import BODY as RECOMPUTE
-from .records import Failure, Interruptions, QuietTicks
+from .records import (
+    INSTALL_TIMEOUT,
+    LOCAL_COMMIT_SQL,
+    Failure,
+    Interruptions,
+    Ledger,
+    QuietTicks,
+    interruption,
+    tick_bound,
+)
 from .results import Execution, Outcome, RunResult
 from .store import DEFAULT_SCHEMA, JobState, Store
 from .worker import BODY as QUEUE
@@ -103,16 +110,6 @@ def utcnow() -> datetime:
 
 
 _READ_ONLY = {"transaction_read_only": "on"}
-#: pgjobs' own writes (failures, run records, tick counts, migrations) commit
-#: durably on this server without waiting for a synchronous standby: a
-#: commit waiting for one kept the old primary from shutting down for 60 s
-#: in a switchover (``docs/failover.md``)
-LOCAL_COMMIT = {"synchronous_commit": "local"}
-#: the statement that sets :data:`LOCAL_COMMIT`, to queue in a bookkeeping transaction
-LOCAL_COMMIT_SQL = set_local(LOCAL_COMMIT)
-#: seconds: the bound of one round trip of an installation (a migration may
-#: rewrite a table, or wait for another process installing)
-INSTALL_TIMEOUT = 300.0
 
 
 def _job_settings(job: Job) -> dict[str, str]:
@@ -131,48 +128,6 @@ def _job_settings(job: Job) -> dict[str, str]:
     values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
     values["client_connection_check_interval"] = "1000ms"
     return values
-
-
-def tick_bound(job: Job, call_timeout: float) -> float:
-    """Seconds: the deadline of each round trip of ``job``'s ticks, its
-    ``lock_timeout`` + ``statement_timeout`` (what the server itself allows
-    a statement) + ``call_timeout`` as a margin; 0 (none) for a job without
-    a ``statement_timeout``."""
-    lock, statement = job.lock_timeout, job.statement_timeout
-    assert isinstance(lock, timedelta) and isinstance(statement, timedelta)
-    if statement <= timedelta(0):
-        return 0.0
-    return lock.total_seconds() + statement.total_seconds() + call_timeout
-
-
-def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None:
-    """(SQLSTATE, one line) when ``exc`` cut a run off without being the
-    job's fault: the connection is gone (class 08, 57P01-57P05, closed
-    under it), a deadline passed, or the server is a standby (a read-only
-    server, 25006: the URL reached a demoted primary or only a standby).
-    ``None``: the job's own failure."""
-    if exceeded(exc):
-        return "08006", f"no answer within the deadline: {first_line(exc)}"
-    if _read_only_server(conn):
-        return "25006", f"read-only server (SQLSTATE 25006): {first_line(exc)}"
-    if connection_lost(exc):
-        state = sqlstate_of(exc) or "08006"
-        return state, f"{first_line(exc)} (SQLSTATE {state})"
-    return None
-
-
-def _read_only_server(conn: Connection) -> bool:
-    """Is ``conn``'s server a hot standby, or read-only by default? Both
-    are reported by the server itself (PostgreSQL 14+): no round trip."""
-    if conn.invalidated or conn.closed:
-        return False
-    raw = conn.connection.driver_connection
-    if not isinstance(raw, psycopg.Connection) or raw.closed:
-        return False
-    return "on" in (
-        raw.info.parameter_status("in_hot_standby"),
-        raw.info.parameter_status("default_transaction_read_only"),
-    )
 
 
 def _slack(interval: timedelta | None) -> timedelta:
@@ -230,12 +185,8 @@ class Runner:
         self.quiet = QuietTicks(self.store)
         #: runs cut off by a lost connection, per job, and their retry delay
         self.interruptions = Interruptions()
-        #: failures that could not be written yet (the database was away), by job
-        self._unrecorded: dict[str, Failure] = {}
-        #: interrupted runs that could not be written yet (the database was
-        #: away, or read-only), the last :data:`_LATE_MAX`
-        self._late: list[RunResult] = []
-        self._unrecorded_lock = threading.Lock()
+        #: what ticks could not write when they happened, written later
+        self.ledger = Ledger(self.store, self.worker, self.quiet, self.connect)
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
@@ -256,94 +207,25 @@ class Runner:
             self.engine.dispose()
 
     def flush(self) -> None:
-        """Write the failures that could not be recorded when they happened,
-        and the counts of quiet ticks, to ``job_state`` and the run log."""
-        with self._unrecorded_lock:
-            failures, self._unrecorded = self._unrecorded, {}
-            late, self._late = self._late, []
-        jobs = self.quiet.jobs()
-        if not failures and not jobs and not late:
-            return
-        try:
-            with self.connect() as conn, conn.begin():
-                later(conn, *LOCAL_COMMIT_SQL)
-                for failure in failures.values():
-                    later(conn, *failure.state_query(self.store))
-                    later(conn, *self.store.run_query(failure.result, self.worker))
-                for result in late:
-                    later(conn, *self.store.run_query(result, self.worker))
-                for job in jobs:
-                    self.quiet.queue_for(conn, job)
-                send(conn)
-        except Exception:
-            with self._unrecorded_lock:
-                for job, failure in failures.items():
-                    self._unrecorded.setdefault(job, failure)
-                self._late = [*late, *self._late][-_LATE_MAX:]
-            raise
-        for failure in failures.values():
-            log.info("pgjobs: %s: its failure is recorded now", failure.result.job)
+        """Write the failures and interrupted runs that could not be recorded
+        when they happened, and the counts of quiet ticks (:class:`Ledger`)."""
+        self.ledger.flush()
 
     def record_failure(self, failure: Failure, conn: Connection) -> RunResult:
         """Write ``failure`` on ``conn`` if it still works, else on a new
-        connection; else keep it and write it once the database answers
-        again (:meth:`flush`, before the next tick)."""
-        if not conn.invalidated:
-            try:
-                return self._save_failure(conn, failure)
-            except Exception:
-                log.debug(
-                    "pgjobs: recording %s's failure on its own connection failed",
-                    failure.result.job,
-                    exc_info=True,
-                )
-        try:
-            with self.connect() as other:
-                return self._save_failure(other, failure)
-        except Exception:
-            with self._unrecorded_lock:
-                self._unrecorded[failure.result.job] = failure
-            log.warning(
-                "pgjobs: %s: its failure cannot be recorded now (database unreachable);"
-                " kept until it can",
-                failure.result.job,
-            )
-            return failure.result
+        connection; else keep it for :meth:`flush` (:class:`Ledger`)."""
+        return self.ledger.record_failure(failure, conn)
 
-    def _save_failure(self, conn: Connection, failure: Failure) -> RunResult:
-        with conn.begin():
-            later(conn, *LOCAL_COMMIT_SQL)
-            self.quiet.queue_for(conn, failure.result.job)
-            _, recorded = send(
-                conn,
-                failure.state_query(self.store),
-                self.store.run_query(failure.result, self.worker),
-            )
-        return replace(failure.result, run_id=int(recorded.scalar()))
+    def record_interrupted(self, result: RunResult) -> RunResult:
+        """Write an interrupted run to the run log, or keep it for later
+        (:class:`Ledger`); its job's state is left as it is."""
+        return self.ledger.record_interrupted(result)
 
     def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def record_interrupted(self, result: RunResult) -> RunResult:
-        """Write an interrupted run to the run log, on a fresh connection, if
-        the database takes it (a standby does not: then it is kept, and
-        written after the next tick that gets through); its job's state is
-        left as it is."""
-        try:
-            with self.connect() as conn, conn.begin():
-                later(conn, *LOCAL_COMMIT_SQL)
-                (recorded,) = send(conn, self.store.run_query(result, self.worker))
-            return replace(result, run_id=int(recorded.scalar()))
-        except Exception:
-            log.debug(
-                "pgjobs: %s: its interrupted run is kept for later", result.job, exc_info=True
-            )
-            with self._unrecorded_lock:
-                self._late = [*self._late, result][-_LATE_MAX:]
-            return result
 
     def install(self) -> None:
         """Create pgjobs' schema if it is missing (also done by the first tick)."""
@@ -370,12 +252,12 @@ class Runner:
         replicas know the job is done until then). ``force`` ignores the
         schedule and the backoff (never the lock).
         """
-        if self._unrecorded:
+        if self.ledger.failures_kept:
             self.flush()
         with self.connect() as conn:
             self._ensure(conn)
             result = self.tick_on(conn, job, progress=progress, next_due=next_due, force=force)
-        if self._late and result.outcome is not Outcome.INTERRUPTED:
+        if self.ledger.late_kept and result.outcome is not Outcome.INTERRUPTED:
             try:
                 self.flush()
             except Exception:
@@ -814,9 +696,6 @@ class _Tick:
         logs.quiet(log, result)
         return result
 
-
-#: interrupted runs kept at most, while they cannot be written
-_LATE_MAX = 100
 
 _SESSION_CHANGED = (
     "{name}: chunked writes need one server session across their commits, and this"
