@@ -95,11 +95,62 @@ class Lag:
                         self.pending[item] = [t for t in times if t >= inside]
 
 
+def make_jobs(
+    args: argparse.Namespace, *, compute: Any, after: Any
+) -> tuple[pgjobs.QueueJob, pgjobs.RecomputeJob]:
+    """The queue job and the recompute of group "g", as every replica runs them."""
+    flow = args.flow == "on"
+    worker = pgjobs.QueueJob(
+        name="w",
+        group="g",
+        target="derived",
+        scope="item_id",
+        compute=DERIVE + " where item_id = any(:keys)",
+        after=after,
+        every="1s",
+        batch_size=100,
+        backoff="1s",
+        flow=flow,
+        workers=args.job_workers,
+    )
+    recompute = pgjobs.RecomputeJob(
+        name="r",
+        group="g",
+        target="derived",
+        compute=compute,
+        every=f"{args.recompute_every}s",
+        backoff="5s",
+        busy_retry="1s",
+        lock_timeout="30s",
+        flow=flow,
+    )
+    return worker, recompute
+
+
+def drift_and_wait(engine: Engine, conn: Connection, args: argparse.Namespace) -> str:
+    """The recompute's compute: drift (sources changed, not enqueued) in a
+    transaction of its own, then the rest of ``--compute-seconds`` asleep."""
+    started = time.monotonic()
+    with engine.begin() as drift:
+        drift.execute(
+            text(
+                "update source set v = v + 1 where item_id in (select id from item"
+                " order by random() limit (select count(*) * :share from item)::int)"
+            ),
+            {"share": args.drift},
+        )
+    rest = args.compute_seconds - (time.monotonic() - started)
+    if rest > 0:
+        conn.execute(text("select pg_sleep(:s)"), {"s": rest})
+    return DERIVE
+
+
 class Soak:
     def __init__(self, url: str, args: argparse.Namespace) -> None:
         self.url, self.args = url, args
         self.engine = create_engine(url, pool_size=20)
         self.lag = Lag()
+        self.enqueued_at: list[tuple[int, float]] = []
         self.errors: dict[str, int] = defaultdict(int)
         self.monitor: list[int] = []
         self.recomputes: list[pgjobs.RunResult] = []
@@ -107,47 +158,11 @@ class Soak:
         self.stop = threading.Event()
         self.next_item = args.items + 1
         self.id_lock = threading.Lock()
-        flow = args.flow == "on"
-        self.worker = pgjobs.QueueJob(
-            name="w",
-            group="g",
-            target="derived",
-            scope="item_id",
-            compute=DERIVE + " where item_id = any(:keys)",
-            after=self._after,
-            every="1s",
-            batch_size=100,
-            backoff="1s",
-            flow=flow,
-            workers=args.job_workers,
-        )
-        self.recompute = pgjobs.RecomputeJob(
-            name="r",
-            group="g",
-            target="derived",
-            compute=self._compute,
-            every=f"{args.recompute_every}s",
-            backoff="5s",
-            busy_retry="1s",
-            lock_timeout="30s",
-            flow=flow,
-        )
+        self.worker, self.recompute = make_jobs(args, compute=self._compute, after=self._after)
 
     # -- the jobs' callbacks -----------------------------------------------------------
     def _compute(self, conn: Connection) -> str:
-        started = time.monotonic()
-        with self.engine.begin() as drift:  # drift: changed, not enqueued
-            drift.execute(
-                text(
-                    "update source set v = v + 1 where item_id in (select id from item"
-                    " order by random() limit (select count(*) * :share from item)::int)"
-                ),
-                {"share": self.args.drift},
-            )
-        rest = self.args.compute_seconds - (time.monotonic() - started)
-        if rest > 0:
-            conn.execute(text("select pg_sleep(:s)"), {"s": rest})
-        return DERIVE
+        return drift_and_wait(self.engine, conn, self.args)
 
     def _after(self, conn: Connection, keys: list[tuple[Any, ...]], stats: Any) -> None:
         self.lag.noted().append((time.monotonic(), [int(k[0]) for k in keys]))
@@ -179,6 +194,7 @@ class Soak:
                     conn.commit()
                     if item is not None:
                         self.lag.enqueued(item, time.monotonic())
+                        self.enqueued_at.append((item, time.time()))  # for other processes
                 except psycopg.Error as exc:
                     conn.rollback()
                     self.errors[f"user:{exc.sqlstate or type(exc).__name__}"] += 1
