@@ -26,11 +26,11 @@ import psycopg
 from sqlalchemy import create_engine
 
 sys.path.insert(0, str(Path(__file__).parent))
-import queue_bench  # noqa: E402
+import queue_bench
 
-import pgjobs  # noqa: E402
-from pgjobs.queue import enqueue  # noqa: E402
-from pgjobs.testing import find_server_url, fresh_database  # noqa: E402
+import pgjobs
+from pgjobs.queue import enqueue
+from pgjobs.testing import find_server_url, fresh_database
 
 
 class Count:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     _wrap()
     with find_server_url(args.dsn) as server, fresh_database(server, prefix="pgjobs_prof") as url:
         print(_machine.describe(_machine.reference(server.replace("+psycopg", ""))))
-        print("load average: %.2f %.2f %.2f" % os.getloadavg())
+        print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         engine = create_engine(url)
         queue_bench.setup(engine, args.ticks + 10)
         job = queue_bench.make_job(1, name="prof")
