@@ -34,6 +34,7 @@ from pgjobs.testing import find_server_url, fresh_database
 
 
 class Count:
+    shown: list[str] | None = None
     statements = 0
     round_trips = 0
     in_pipeline = 0
@@ -45,6 +46,10 @@ def _wrap() -> None:
 
     def counted_execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         Count.statements += 1
+        if Count.shown is not None:
+            query = args[0] if args else kwargs.get("query")
+            text = query.as_string(None) if hasattr(query, "as_string") else str(query)
+            Count.shown.append(("  " if Count.in_pipeline else "* ") + " ".join(text.split())[:150])
         if not Count.in_pipeline:
             Count.round_trips += 1
         return execute(self, *args, **kwargs)
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--show", action="store_true", help="print the last tick's statements (* = new round trip)"
+    )
     args = parser.parse_args(argv)
     _wrap()
     with find_server_url(args.dsn) as server, fresh_database(server, prefix="pgjobs_prof") as url:
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             for item in range(6, args.ticks + 6):
                 with engine.begin() as conn:
                     enqueue(conn, job, [item])
+                Count.shown = [] if args.show else None
                 s0, r0 = Count.statements, Count.round_trips
                 w0, c0 = time.perf_counter(), time.process_time()
                 if args.profile:
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         f" client CPU p50 {1000 * statistics.median(cpus):.2f} ms"
         f" (mean {1000 * statistics.fmean(cpus):.2f} ms)"
     )
+    if Count.shown:
+        print("\n".join(Count.shown))
     if args.profile:
         stats = pstats.Stats(profile)
         _by_area(stats, len(walls))

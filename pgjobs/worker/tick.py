@@ -18,12 +18,13 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from .._pg import analyze, later, send
-from ..diff import Scope, write_diff
+from ..diff import Scope, WriteResult, write_diff
 from ..jobs import Keys, QueueJob, RunContext
 from ..results import Execution
 from ..staging import check_coverage, stage
 from ..target import Prefetched
 from .claim import claim, claim_own, finish_own
+from .small import small_enough, write_small
 from .state import (
     ANALYZE_KEYS,
     KEYS_TABLE,
@@ -142,6 +143,7 @@ def write(t: Tick, items: list[str], savepoint: sql.Identifier, keys: Keys | Non
     """Process ``items`` under ``savepoint`` (taken here, unless the claim
     took it and loaded their ``keys``; released by the commit, or rolled
     back to by the caller when this raises)."""
+    reload = keys is None  # loaded under the savepoint (not by the claim, before it)
     if keys is None:
         keys = load_keys(t, items, savepoint)
     if len(keys) > ANALYZE_KEYS:
@@ -150,28 +152,16 @@ def write(t: Tick, items: list[str], savepoint: sql.Identifier, keys: Keys | Non
         t.raw.execute(analyze(sql.Identifier("pg_temp", KEYS_TABLE)))
     started = time.perf_counter()
     job = t.job
+    params = compute_params(job, keys)
     source = job.compute if isinstance(job.compute, str) else job.compute(t.conn, keys)
-    staged = stage(t.conn, t.target, source, params=compute_params(job, keys), session=True)
-    check_coverage(t.target, staged.columns, job.columns, "the new rows")
-    if job.flow:
-        mark(t)
-    t.compute_seconds += time.perf_counter() - started
     t.ctx.report("write", len(keys), None)
-    # wait_busy=False: this transaction holds queue entries, and a user may
-    # lock a parent FOR UPDATE and then enqueue one of our items (a delete
-    # cascading to a table with an enqueue trigger); waiting for that
-    # parent would deadlock. Its rows are deferred, the items stay queued.
-    result = write_diff(
-        t.conn,
-        t.target,
-        staged,
-        # The claim locked every item's item parents FOR KEY SHARE (in
-        # its savepoint, which no isolation rolls back): not again.
-        scope=Scope(
-            columns=job.scope, keys=t.statements.keys_table, rows=len(keys), parents_locked=True
-        ),
-        wait_busy=False,
-    )
+    result = None
+    if small_enough(t, len(keys)):
+        result = write_small(t, items, source, params, savepoint, reload=reload)
+    if result is not None:
+        t.compute_seconds += time.perf_counter() - started - result.write_seconds
+    else:
+        result = write_general(t, source, params, len(keys), started)
     t.write_seconds += result.write_seconds
     t.lock_seconds += result.lock_seconds
     t.stats = t.stats + result.stats
@@ -187,6 +177,34 @@ def write(t: Tick, items: list[str], savepoint: sql.Identifier, keys: Keys | Non
     # The savepoint stays open (the commit releases it): a round trip
     # saved. Should a later sub-batch fail, it is rolled back to its own.
     t.done.extend(items)
+
+
+def write_general(
+    t: Tick, source: object, params: dict[str, Any], keys: int, started: float
+) -> WriteResult:
+    """The general writer: the new rows staged in a session table, then
+    :func:`pgjobs.diff.write_diff` scoped to the keys table."""
+    job = t.job
+    staged = stage(t.conn, t.target, source, params=params, session=True)
+    check_coverage(t.target, staged.columns, job.columns, "the new rows")
+    if job.flow:
+        mark(t)
+    t.compute_seconds += time.perf_counter() - started
+    # wait_busy=False: this transaction holds queue entries, and a user may
+    # lock a parent FOR UPDATE and then enqueue one of our items (a delete
+    # cascading to a table with an enqueue trigger); waiting for that
+    # parent would deadlock. Its rows are deferred, the items stay queued.
+    return write_diff(
+        t.conn,
+        t.target,
+        staged,
+        # The claim locked every item's item parents FOR KEY SHARE (in
+        # its savepoint, which no isolation rolls back): not again.
+        scope=Scope(
+            columns=job.scope, keys=t.statements.keys_table, rows=keys, parents_locked=True
+        ),
+        wait_busy=False,
+    )
 
 
 def mark(t: Tick) -> None:
