@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import Engine
 
 import pgjobs
 import pgjobs.worker.small
