@@ -96,6 +96,45 @@ def _by_area(stats: pstats.Stats, ticks: int) -> None:
         print(f"  {100 * own / whole:5.1f} %  {1000 * own / ticks:6.2f} ms  {area}")
 
 
+def switch_point(url: str, batches: list[int], ticks: int) -> None:
+    """Per batch size, ticks of that many items through each write path
+    (the small path and the session tables', ``SMALL_KEYS`` set for each),
+    interleaved tick by tick: wall and client CPU per item (medians), update
+    passes (every item's rows change: ``factor`` bumped before each tick)."""
+    import pgjobs.worker.small as small
+
+    engine = create_engine(url)
+    top = max(batches)
+    queue_bench.setup(engine, top)
+    print(f"{'batch':>6} {'path':>8} {'wall ms/item':>13} {'CPU ms/item':>12} {'round trips':>12}")
+    with pgjobs.Runner(engine) as runner:
+        for batch in batches:
+            job = queue_bench.make_job(batch, name=f"switch-{batch}")
+            got: dict[str, list[tuple[float, float, int]]] = {"small": [], "general": []}
+            for n in range(ticks + 2):
+                for path in ("small", "general"):
+                    small.SMALL_KEYS = 10**6 if path == "small" else 0
+                    with engine.begin() as conn:
+                        conn.exec_driver_sql(
+                            f"update parent set factor = factor + 1 where id <= {batch}"
+                        )
+                        enqueue(conn, job, range(1, batch + 1))
+                    r0 = Count.round_trips
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    result = runner.tick(job, force=True)
+                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                    assert result.items == batch, result
+                    if n >= 2:  # the first two warm the path
+                        got[path].append((wall, cpu, Count.round_trips - r0))
+            for path, samples in got.items():
+                print(
+                    f"{batch:>6} {path:>8} {1000 * statistics.median(w for w, _, _ in samples) / batch:>13.3f}"
+                    f" {1000 * statistics.median(c for _, c, _ in samples) / batch:>12.3f}"
+                    f" {statistics.median(r for _, _, r in samples):>12}"
+                )
+    engine.dispose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dsn", default=None)
@@ -105,8 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--show", action="store_true", help="print the last tick's statements (* = new round trip)"
     )
+    parser.add_argument(
+        "--paths",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="BATCH",
+        help="measure the switch point instead: both write paths at these batch sizes",
+    )
     args = parser.parse_args(argv)
     _wrap()
+    if args.paths:
+        with (
+            find_server_url(args.dsn) as server,
+            fresh_database(server, prefix="pgjobs_prof") as url,
+        ):
+            print(_machine.describe(_machine.reference(server.replace("+psycopg", ""))))
+            print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+            switch_point(url, args.paths, args.ticks)
+            print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        return 0
     with find_server_url(args.dsn) as server, fresh_database(server, prefix="pgjobs_prof") as url:
         print(_machine.describe(_machine.reference(server.replace("+psycopg", ""))))
         print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
