@@ -120,11 +120,13 @@ class SmallDiff:
         key = self.plan.key
         return sql.SQL(
             "chk as materialized (select n = 0 or (outside = 0 and nulls = 0 and repeated = 0)"
-            " as ok, n from (select count(*) as n,"
-            " count(*) filter (where not ({nn})) as nulls,"
-            " count(*) filter (where not exists (select from k where {in_scope})) as outside,"
+            " as ok, n from (select (select count(*) from s) as n,"
+            " (select count(*) from s where not ({nn})) as nulls,"
+            # an anti join (hashed), not a subplan per row
+            " (select count(*) from s where not exists (select from k where {in_scope}))"
+            " as outside,"
             " (select count(*) from (select from s group by {key} having count(*) > 1) as r)"
-            " as repeated from s) as c)"
+            " as repeated) as c)"
         ).format(
             nn=not_null("s", key),
             in_scope=equal("k", scope, "s", scope),
