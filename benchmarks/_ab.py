@@ -41,7 +41,10 @@ def drain_ab(args: Any, script: str) -> int:
     ]
     if args.dsn:
         common += ["--dsn", args.dsn]
-    sides = {"this": [sys.executable, script], "ref": [sys.executable, __file__, args.ab, script]}
+    this = [sys.executable, script]
+    if args.ab_this:  # this side from a checkout too (a snapshot: edits meanwhile do not count)
+        this = [sys.executable, __file__, args.ab_this, script]
+    sides = {"this": this, "ref": [sys.executable, __file__, args.ab, script]}
     got: dict[tuple[str, int, str], list[float]] = {}
     loads = []
     for r in range(args.ab_rounds):

@@ -489,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ab-rounds", type=int, default=3)
     parser.add_argument(
+        "--ab-this", metavar="CHECKOUT", default=None, help="this side of --ab from a checkout too"
+    )
+    parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "queue_bench.json")
     )
     args = parser.parse_args(argv)
