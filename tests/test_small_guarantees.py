@@ -302,3 +302,23 @@ def test_each_item_once_beside_another_worker(engine: Engine, small_writes: list
     assert sorted(taken) == [1, 2, 3, 4]
     assert small_writes == [True, True]
     assert rows(engine, "select count(*) from derived") == [(8,)]
+
+
+def test_a_keys_table_dropped_under_the_worker_is_made_again(db_url: str, engine: Engine) -> None:
+    """The worker remembers, per session, that its keys table fits; a table
+    dropped behind its back fails that claim, which is rolled back, and
+    the table made again: the item is processed all the same."""
+    one = create_engine(db_url, pool_size=1, max_overflow=0)
+    worker = job()
+    try:
+        with pgjobs.Runner(one) as runner:
+            with one.begin() as conn:
+                pgjobs.enqueue(conn, worker, [1])
+            assert runner.tick(worker, force=True).items == 1
+            with one.begin() as conn:  # the same session: the pool holds one
+                conn.exec_driver_sql("drop table pg_temp.pgjobs_keys")
+                pgjobs.enqueue(conn, worker, [2])
+            result = runner.tick(worker, force=True)
+        assert result.outcome == "ran" and result.items == 1 and result.stats.inserted == 2
+    finally:
+        one.dispose()

@@ -55,7 +55,10 @@ class SmallDiff:
     ``source``: the new rows' query, whose columns are ``columns`` (target
     columns; they are cast to the target's types, as a staged row is).
     ``held``: the caller holds ``FOR KEY SHARE`` on every parent whose
-    columns are all scope columns (see :attr:`Scope.parents_locked`)."""
+    columns are all scope columns (see :attr:`Scope.parents_locked`).
+    ``extra``: a data-modifying statement of the caller's (``... returning
+    1``) to run in the same statement, before the parents are locked; it
+    may read ``k`` (a queue worker's flow marks)."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class SmallDiff:
         source: sql.Composable,
         *,
         held: bool,
+        extra: sql.Composable | None = None,
     ) -> None:
         if target.self_reference is not None:
             raise ValueError("SmallDiff: a target that references itself takes the general writer")
@@ -90,6 +94,8 @@ class SmallDiff:
             sql.SQL("t as materialized ({})").format(self._target_side(scope)),
             sql.SQL("d as materialized ({})").format(self._difference()),
         ]
+        if extra is not None:
+            ctes.append(sql.SQL("extra as ({})").format(extra))
         for i in range(len(self.parents)):
             ctes += self._parent(i)
         ctes.append(sql.SQL("bad as materialized ({})").format(self._bad()))
@@ -98,6 +104,8 @@ class SmallDiff:
             sql.SQL("(select count(*) from {})").format(sql.Identifier(f"miss{i}"))
             for i in range(len(self.parents))
         ]
+        if extra is not None:
+            counts.insert(0, sql.SQL("(select count(*) from extra)").format())
         self.statement = sql.SQL(
             "with {ctes} select (select ok from chk), (select n from chk), {locks}"
             " (select count(*) filter (where not defer) from bad),"
@@ -300,7 +308,7 @@ class SmallDiff:
     def read(self, row: Sequence[Any]) -> SmallResult:
         """The statement's one row as a :class:`SmallResult`."""
         ok, staged = bool(row[0]), int(row[1])
-        rest = [int(v) for v in row[2 + len(self.parents) :]]
+        rest = [int(v) for v in row[self.columns_read - 7 :]]
         skipped, deferred, deferred_deletes, expected_updates, deleted, updated, inserted = rest
         if not ok or updated < expected_updates:
             # a check failed (nothing was written), or rows planned as

@@ -31,8 +31,10 @@ from .state import (
     create_keys_table,
     ensure_keys_table,
     error_text,
+    forget_keys_table,
     is_run_level,
     keys_table_fits,
+    keys_table_known,
     next_savepoint,
     release,
     rollback_to,
@@ -55,6 +57,14 @@ def claim(t: Tick) -> Claimed:
         return claim_rows(t, None), [], [], {}
     sp = next_savepoint(t)
     params = {"job": t.job.name, "n": t.job.batch_size}
+    if t.job.batch_size <= PRELOAD_BATCH and keys_table_known(t):
+        try:
+            known = claim_known(t, sp, params)
+        except psycopg.DataError:
+            rollback_to(t, sp)
+            return lock_readable(t, claim_rows(t, None))
+        if known is not None:
+            return known
     try:
         # One round trip: the keys table's shape, a savepoint and the
         # claim (which reads the keys table's row type). When the table
@@ -101,6 +111,36 @@ def claim(t: Tick) -> Claimed:
         return lock_readable(t, claim_rows(t, None))
     # The savepoint stays open (the commit releases it): a round trip saved.
     return classify(t, result)
+
+
+def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed | None:
+    """The claim when this session's keys table is known to fit: the
+    savepoint, the claim (which loads the keys table and returns each
+    claimed item's typed key) and the savepoint of their processing, three
+    statements in one round trip. ``None``: the keys table was not what
+    was known (dropped, say): rolled back, forgotten, the caller asks."""
+    first = next_savepoint(t)
+    try:
+        _, rows, _ = send(
+            t.conn,
+            (sql.SQL("savepoint {}").format(sp), None),
+            (t.statements.claim_keyed, params),
+            (sql.SQL("savepoint {}").format(first), None),
+        )
+    except psycopg.DatabaseError as exc:
+        if is_run_level(exc) or isinstance(exc, psycopg.DataError):
+            raise
+        log.debug("pgjobs: %s: the keys table was not as known", t.job.name, exc_info=True)
+        rollback_to(t, sp)
+        forget_keys_table(t)
+        return None
+    width = len(t.job.scope)
+    result = rows.all()
+    claimed = classify(t, [r[:5] for r in result])
+    gone = set(claimed[1])
+    keys = (tuple(r[5 : 5 + width]) for r in result if r[3] and r[0] not in gone)
+    t.preloaded = (first, list(dict.fromkeys(keys)))
+    return claimed
 
 
 def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:

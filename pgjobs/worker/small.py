@@ -21,7 +21,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy import text
 
-from .._pg import later, send
+from .._pg import send
 from ..diff import WriteResult
 from ..diff.small import SmallDiff
 from ..staging import check_coverage
@@ -74,8 +74,6 @@ def write_small(
     composed = _composed(t, query, bound)
     check_coverage(t.target, composed.columns, t.job.columns, "the new rows")
     started = time.perf_counter()
-    if t.job.flow:
-        later(t.conn, t.statements.mark, (t.target.label,))
     try:
         (row,) = send(t.conn, (composed.statement, bound))
     except psycopg.DatabaseError as exc:
@@ -105,7 +103,7 @@ def write_small(
 
 
 def _back(t: Tick, items: list[str], savepoint: sql.Identifier, reload: bool) -> None:
-    """Undo the statement (and the flow marks sent with it): back to the
+    """Undo the statement (and the flow marks it wrote): back to the
     batch's savepoint, which stays; the keys loaded again if it undid them."""
     t.raw.execute(sql.SQL("rollback to savepoint {}").format(savepoint))
     if reload:
@@ -129,6 +127,8 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         ),
         source=sql.SQL(query),
         held=True,
+        # flow: the marks, in the same statement (docs/DESIGN.md, "Flow")
+        extra=t.statements.mark_small if t.job.flow else None,
     )
     made = _Composed(columns, diff, frozen(diff.statement))
     if len(t.statements.small) >= 16:

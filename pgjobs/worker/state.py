@@ -11,6 +11,7 @@ target (:mod:`.statements`), not per tick.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from .._pg import driver, sqlstate_of
+from ..database import transaction_pooling
 from ..errors import ConfigError
 from ..jobs import QueueJob, RunContext
 from ..results import DiffStats
@@ -152,10 +154,43 @@ KEYS_SHAPE = (
 """The keys table's columns and types, as :func:`keys_table_fits` reads them."""
 
 
+#: per driver connection: (its server process, the keys table's shape last
+#: seen there), so that a tick need not ask again (see keys_table_known)
+_shapes: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[int, list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shape(t: Tick) -> list[str]:
+    return [f"{c}:{t.target.types[c].type_oid}" for c in t.job.scope]
+
+
 def keys_table_fits(t: Tick, row: tuple[Any, ...] | None) -> bool:
-    """Does :data:`KEYS_SHAPE`'s answer ``row`` fit this job's scope?"""
-    want = [f"{c}:{t.target.types[c].type_oid}" for c in t.job.scope]
-    return row is not None and row[0] == want
+    """Does :data:`KEYS_SHAPE`'s answer ``row`` fit this job's scope? (Kept
+    for this connection when it does.)"""
+    fits = row is not None and row[0] == _shape(t)
+    if fits:
+        _shapes[t.raw] = (t.raw.info.backend_pid, _shape(t))
+    else:
+        _shapes.pop(t.raw, None)
+    return fits
+
+
+def keys_table_known(t: Tick) -> bool:
+    """Was the keys table seen (or made) with this job's shape in this
+    session? Never behind a transaction pooler: the next transaction may
+    run on another session. A claim that trusted it and failed forgets it
+    (:func:`forget_keys_table`) and asks."""
+    seen = _shapes.get(t.raw)
+    return (
+        seen is not None
+        and seen == (t.raw.info.backend_pid, _shape(t))
+        and not transaction_pooling()
+    )
+
+
+def forget_keys_table(t: Tick) -> None:
+    _shapes.pop(t.raw, None)
 
 
 def ensure_keys_table(t: Tick) -> None:
@@ -169,6 +204,7 @@ def ensure_keys_table(t: Tick) -> None:
 
 def create_keys_table(t: Tick) -> None:
     t.raw.execute(t.statements.create_keys)
+    _shapes[t.raw] = (t.raw.info.backend_pid, _shape(t))
 
 
 __all__ = ["KEYS_TABLE", "Tick", "new_tick"]

@@ -78,6 +78,9 @@ class Statements:
         )
         self.claim = frozen(self._claim_sql(load=False))
         self.claim_loading = frozen(self._claim_sql(load=True))
+        #: the claim that loads the keys table and returns each claimed
+        #: item's typed key too (when the keys table is known to fit)
+        self.claim_keyed = frozen(self._claim_sql(load=True, keyed=True))
         self.loaded_keys = frozen(
             sql.SQL("select {c} from pg_temp.{t} order by {c}").format(
                 c=self.scope, t=self.keys_table
@@ -130,6 +133,17 @@ class Statements:
                 cols=sql.SQL(", ").join(sql.Identifier("k", c) for c in job.scope),
                 keys=self.keys_table,
             )
+        )
+        #: the flow marks as a data-modifying CTE of the small path's
+        #: statement (over its keys ``k``), composed, not rendered
+        self.mark_small = sql.SQL(
+            "insert into {marks} (target, key, xid) select {label}, jsonb_build_array({cols}),"
+            " pg_current_xact_id() from k order by 2"
+            " on conflict (target, key) do update set xid = excluded.xid returning 1"
+        ).format(
+            marks=sql.Identifier(schema, "mark"),
+            label=sql.Literal(target.label),
+            cols=sql.SQL(", ").join(sql.Identifier("k", c) for c in job.scope),
         )
         # One primary-key probe per entry, then a TID scan: "key = any(...)"
         # may be planned as a scan of the job's whole queue (stale statistics
@@ -196,7 +210,7 @@ class Statements:
         )
         return sql.SQL(", ").join(ctes)
 
-    def _claim_sql(self, *, load: bool) -> sql.Composed:
+    def _claim_sql(self, *, load: bool, keyed: bool = False) -> sql.Composed:
         """One statement: the due items (no lock), their parents ``FOR KEY
         SHARE SKIP LOCKED``, then the entries of the items whose parents are
         locked or gone ``FOR UPDATE SKIP LOCKED``. Parents before entries, the
@@ -205,7 +219,9 @@ class Statements:
         at all, so that user's enqueue never waits for the worker.
 
         Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
-        claimed entries, then (item, null, false, false, null) for deferred items."""
+        claimed entries, then (item, null, false, false, null) for deferred items;
+        ``keyed``: each with the item's typed scope values after them (nulls
+        for deferred items), claimed items first in key order."""
         return sql.SQL(
             "with {due}, {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
@@ -222,14 +238,40 @@ class Statements:
             " where (s.locked or not s.present) and e.dead_at is null"
             " and e.not_before <= now()){load}"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
-            " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8 from c"
-            " union all select s.item::text, null, false, false, null from s"
-            " where s.present and not s.locked"
+            " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8{keyed} from c{typed}"
+            " union all select s.item::text, null, false, false, null{nulls} from s"
+            " where s.present and not s.locked{order}"
         ).format(
             q=self.queue,
             due=self._due_sql(),
             classify=self._classify_ctes(sql.SQL("due")),
             load=self._load_sql() if load else sql.SQL(""),
+            # keyed: each claimed item's key as the keys table types it, the
+            # rows in the keys table's order (what the keys' select returned)
+            keyed=sql.SQL(", t.*") if keyed else sql.SQL(""),
+            typed=sql.SQL(", lateral {} as t").format(self._typed_of("c.key"))
+            if keyed
+            else sql.SQL(""),
+            nulls=sql.SQL(", (null::pg_temp.{}).*").format(self.keys_table)
+            if keyed
+            else sql.SQL(""),
+            order=sql.SQL(" order by 4 desc, {}").format(
+                sql.SQL(", ").join(sql.SQL(str(6 + n)) for n in range(len(self.job.scope)))
+            )
+            if keyed
+            else sql.SQL(""),
+        )
+
+    def _typed_of(self, item: str) -> sql.Composed:
+        """:attr:`typed` of the jsonb expression ``item`` instead of ``i.item``."""
+        return sql.SQL("jsonb_populate_record(null::pg_temp.{}, jsonb_build_object({}))").format(
+            self.keys_table,
+            sql.SQL(", ").join(
+                sql.SQL("{}, ({})::jsonb -> {}").format(
+                    sql.Literal(c), sql.SQL(item), sql.Literal(n)
+                )
+                for n, c in enumerate(self.job.scope)
+            ),
         )
 
     def _due_sql(self) -> sql.Composed:
