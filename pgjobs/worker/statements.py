@@ -76,6 +76,13 @@ class Statements:
                 " select {cols} from {target} with no data"
             ).format(t=self.keys_table, cols=self.scope, target=target.ident)
         )
+        self._compose_claims()
+        self._compose_writes(schema)
+        #: the small path's statement per compute text (see :mod:`.small`)
+        self.small: dict[str, Any] = {}
+
+    def _compose_claims(self) -> None:
+        """The claim's statements (:mod:`.claim`)."""
         self.claim = frozen(self._claim_sql(load=False))
         self.claim_loading = frozen(self._claim_sql(load=True))
         #: the claim that loads the keys table and returns each claimed
@@ -113,6 +120,10 @@ class Statements:
                 " order by key for update skip locked"
             ).format(self.queue)
         )
+
+    def _compose_writes(self, schema: str) -> None:
+        """The statements of the processing and of the finish (:mod:`.tick`)."""
+        job, target = self.job, self.target
         # The delete empties what an earlier sub-batch (or anything earlier in
         # this transaction) left; it does not see the rows inserted beside it.
         self.load_keys = frozen(
@@ -165,8 +176,6 @@ class Statements:
                 " where q.job = %s and q.key = f.item::jsonb"
             ).format(self.queue)
         )
-        #: the small path's statement per compute text (see :mod:`.small`)
-        self.small: dict[str, Any] = {}
 
     def _classify_ctes(self, keys: sql.Composable) -> sql.Composed:
         """CTEs ``k`` (the jsonb ``item`` of ``keys``, typed), ``p<n>`` (the item
