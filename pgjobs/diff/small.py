@@ -113,15 +113,29 @@ class SmallDiff:
             " (select count(*) filter (where defer and op = 'd') from bad),"
             " (select count(*) from d where op = 'u'"
             "  and not exists (select from bad where {bad_key})),"
+            " (select count(*) from ({victims}) as v),"
             " (select count(*) from del), (select count(*) from upd), (select count(*) from ins)"
         ).format(
             ctes=sql.SQL(", ").join(ctes),
             locks=sql.SQL("").join(sql.SQL("{}, ").format(c) for c in counts),
             bad_key=equal("bad", plan.difference_key, "d", plan.difference_key),
+            victims=self.victims,
         )
-        self.columns_read = 2 + len(counts) + 7
+        self.columns_read = 2 + len(counts) + 8
 
     # -- the parts ---------------------------------------------------------------------
+    @property
+    def victims(self) -> sql.Composed:
+        """Where the rows to delete are: the difference's deletes not left
+        out, and the skipped rows that exist (an update to a dead parent)."""
+        dk = self.plan.difference_key
+        on = equal("bad", dk, "d", dk)
+        return sql.SQL(
+            "select d.pgjobs_tid from d where d.pgjobs_tid is not null and ((d.op = 'd'"
+            " and not exists (select from bad where {on})) or exists (select from bad where {on}"
+            " and not bad.defer))"
+        ).format(on=on)
+
     def _checks(self, scope: Sequence[str]) -> sql.Composed:
         """``chk``: ``ok`` (every new row within the scope, its key present
         and unique) and ``n``, the new rows."""
@@ -149,11 +163,11 @@ class SmallDiff:
         if t.indexed(scope):
             return sql.SQL(
                 "select x.* from k cross join lateral"
-                " (select {cols} from {t} as y where {on} offset 0) as x"
+                " (select {cols}, y.ctid as pgjobs_tid from {t} as y where {on} offset 0) as x"
             ).format(cols=idents(cols, "y"), t=t.ident, on=equal("y", scope, "k", scope))
-        return sql.SQL("select {cols} from {t} where ({sc}) in (select {sc} from k)").format(
-            cols=idents(cols), t=t.ident, sc=idents(scope)
-        )
+        return sql.SQL(
+            "select {cols}, ctid as pgjobs_tid from {t} where ({sc}) in (select {sc} from k)"
+        ).format(cols=idents(cols), t=t.ident, sc=idents(scope))
 
     def _difference(self) -> sql.Composed:
         """A keyed full join of the new rows (``s``) with the target's (``t``):
@@ -181,6 +195,8 @@ class SmallDiff:
             selected.append(
                 sql.SQL("{} as {}").format(sql.Identifier("t", name), sql.Identifier(old_name))
             )
+        # where the target row is: the writes find it by it (see _writes)
+        selected.append(sql.SQL("t.pgjobs_tid"))
         return sql.SQL(
             "select * from (select {sel} from s full join t on {on}) as x"
             " where op is not null and (select ok from chk)"
@@ -263,27 +279,25 @@ class SmallDiff:
         dk = plan.difference_key
         t = plan.target.ident
         not_bad = sql.SQL("not exists (select from bad where {})").format(equal("bad", dk, "d", dk))
-        victim = [f"k{j}" for j in range(len(plan.key))]
+        # The target rows are found by the row versions the statement read
+        # (``ctid = any(array(...))``: a TID scan), never by a join the
+        # planner may turn into a scan of the whole target: its estimate of
+        # a target that grew since its last ANALYZE (truncated, refilled) can
+        # be any size. A row updated meanwhile by another transaction is not
+        # found so; the counts then fall short of the plan, and the caller
+        # takes the general writer (see read).
         delete = sql.SQL(
-            "del as (delete from {t} as t using (select {dk} from d where d.op = 'd' and {nb}"
-            " union all select {bk} from bad where not defer) as v ({vk}) where {on}"
-            " returning 1)"
-        ).format(
-            t=t,
-            dk=idents(dk, "d"),
-            nb=not_bad,
-            bk=idents(dk),
-            vk=idents(victim),
-            on=equal("t", plan.key, "v", victim),
-        )
+            "del as (delete from {t} as t where t.ctid = any(array({victims})) returning 1)"
+        ).format(t=t, victims=self.victims)
         if plan.values:
             sets = sql.SQL(", ").join(
                 sql.SQL("{} = {}").format(sql.Identifier(v), sql.Identifier("d", plan.new[v]))
                 for v in plan.values
             )
             update = sql.SQL(
-                "upd as (update {t} as t set {sets} from d where d.op = 'u' and {on} and {nb}"
-                " and {distinct} returning 1)"
+                "upd as (update {t} as t set {sets} from d"
+                " where t.ctid = any(array(select d.pgjobs_tid from d where d.op = 'u' and {nb}))"
+                " and d.op = 'u' and {on} and {nb} and {distinct} returning 1)"
             ).format(
                 t=t,
                 sets=sets,
@@ -308,12 +322,14 @@ class SmallDiff:
     def read(self, row: Sequence[Any]) -> SmallResult:
         """The statement's one row as a :class:`SmallResult`."""
         ok, staged = bool(row[0]), int(row[1])
-        rest = [int(v) for v in row[self.columns_read - 7 :]]
-        skipped, deferred, deferred_deletes, expected_updates, deleted, updated, inserted = rest
-        if not ok or updated < expected_updates:
+        rest = [int(v) for v in row[self.columns_read - 8 :]]
+        skipped, deferred, deferred_deletes, expected_updates, expected_deletes = rest[:5]
+        deleted, updated, inserted = rest[5:]
+        if not ok or updated < expected_updates or deleted < expected_deletes:
             # a check failed (nothing was written), or rows planned as
-            # updates were gone at write time (the general writer inserts
-            # them): the caller rolls back and runs the general writer
+            # updates or deletes were not where the statement read them
+            # (another transaction changed them; the general writer finds
+            # them by key): the caller rolls back and runs the general writer
             return SmallResult(ok=False, stats=DiffStats(), deferred=0)
         stats = DiffStats(
             inserted=inserted,

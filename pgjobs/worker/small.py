@@ -31,9 +31,12 @@ from .state import Tick, is_run_level
 from .statements import frozen
 
 #: batches of up to this many keys take the one-statement write. Measured
-#: with benchmarks/tick_profile.py --paths (docs/queue-performance.md):
-#: below it the one statement is faster than the session tables' path.
-SMALL_KEYS = 100
+#: (docs/queue-performance.md): at 10 keys the statement drained 1,140-1,620
+#: items/s against the session tables' 790-880; at 100 it won once the
+#: tables had statistics (4,450 against 3,810) and lost while a truncated
+#: target refilled without them (890 against 3,650: psycopg prepares the
+#: statement, and the generic plan made on the empty table scanned it).
+SMALL_KEYS = 10
 
 
 @dataclass(frozen=True, slots=True)
