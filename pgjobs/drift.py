@@ -51,7 +51,7 @@ from .results import DiffStats, Outcome, RunResult
 from .staging import Staged, check_coverage, stage
 from .store import Store
 from .target import Target, reflect_target
-from .worker.base import KEYS_TABLE
+from .worker.statements import KEYS_TABLE
 
 log = logging.getLogger(__name__)
 

@@ -91,12 +91,15 @@ class Body(Protocol):
     def check_work(self, conn: Connection, job: Any, ctx: RunContext) -> bool:
         """Step 2, in a short read-only transaction."""
 
-    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> None:
+    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> Any:
         """Step 3: queue (:meth:`RunContext.later`) what the body will need
-        first, to go out in the round trip that takes the lock."""
+        first, to go out in the round trip that takes the lock; what it
+        returns (the handles to read, typed as the body likes) is handed to
+        :meth:`execute`."""
 
-    def execute(self, conn: Connection, job: Any, ctx: RunContext) -> Execution:
-        """Step 4: the job's body, inside the job transaction, lock held."""
+    def execute(self, conn: Connection, job: Any, ctx: RunContext, prefetched: Any) -> Execution:
+        """Step 4: the job's body, inside the job transaction, lock held;
+        ``prefetched``: what :meth:`prefetch` returned."""
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")

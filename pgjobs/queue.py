@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from datetime import time as dtime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import psycopg
 from psycopg import errors, sql
@@ -43,7 +43,6 @@ from sqlalchemy.engine import Connection
 
 from ._pg import driver, qualified
 from .errors import ConfigError, PgJobsError
-from .jobs import QueueJob
 from .store import DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
@@ -58,6 +57,21 @@ _NOT_INSTALLED = (
 )
 
 AnyConnection = Connection | psycopg.Connection[Any]
+
+
+@runtime_checkable
+class Queued(Protocol):
+    """What the queue needs of a job (a :class:`~pgjobs.QueueJob`, or any
+    object with these): its name and its scope's columns. The queue knows
+    no job kinds."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def scope(self) -> tuple[str, ...]: ...
+
+
 AnyAsyncConnection: TypeAlias = "SAAsyncConnection | psycopg.AsyncConnection[Any]"
 
 #: what a statement on pgjobs' queue raises when the schema is not installed
@@ -177,7 +191,7 @@ def key_json(key: Any, width: int | None = None) -> str:
 # -- enqueue -------------------------------------------------------------------
 def enqueue(
     conn: AnyConnection,
-    job: str | QueueJob,
+    job: str | Queued,
     keys: Iterable[Any],
     *,
     schema: str = DEFAULT_SCHEMA,
@@ -217,7 +231,7 @@ def enqueue(
 
 async def enqueue_async(
     conn: AnyAsyncConnection,
-    job: str | QueueJob,
+    job: str | Queued,
     keys: Iterable[Any],
     *,
     schema: str = DEFAULT_SCHEMA,
@@ -243,10 +257,10 @@ async def enqueue_async(
 
 
 def _enqueue_call(
-    job: str | QueueJob, keys: Iterable[Any], schema: str
+    job: str | Queued, keys: Iterable[Any], schema: str
 ) -> tuple[sql.Composed, tuple[str, str]] | None:
     """The enqueue statement and its parameters; ``None`` when there are no keys."""
-    if isinstance(job, QueueJob):
+    if isinstance(job, Queued):
         name, width = job.name, len(job.scope)
     elif isinstance(job, str) and job:
         name, width = job, None
@@ -267,7 +281,7 @@ def install_enqueue_trigger(
     conn: AnyConnection,
     *,
     table: str,
-    job: str | QueueJob,
+    job: str | Queued,
     columns: Sequence[str],
     schema: str = DEFAULT_SCHEMA,
 ) -> None:
@@ -281,7 +295,7 @@ def install_enqueue_trigger(
     transaction. Remove with :func:`drop_enqueue_trigger`. Async code
     awaits :func:`install_enqueue_trigger_async`.
     """
-    name = job.name if isinstance(job, QueueJob) else job
+    name = job.name if isinstance(job, Queued) else job
     cols = _trigger_columns(columns, job)
     raw = _raw(conn)
     query, params = _columns_query(raw, table)
@@ -294,12 +308,12 @@ async def install_enqueue_trigger_async(
     conn: AnyAsyncConnection,
     *,
     table: str,
-    job: str | QueueJob,
+    job: str | Queued,
     columns: Sequence[str],
     schema: str = DEFAULT_SCHEMA,
 ) -> None:
     """:func:`install_enqueue_trigger` on an ``AsyncConnection``, in the caller's transaction."""
-    name = job.name if isinstance(job, QueueJob) else job
+    name = job.name if isinstance(job, Queued) else job
     cols = _trigger_columns(columns, job)
     raw = await _araw(conn)
     query, params = _columns_query(raw, table)
@@ -308,19 +322,19 @@ async def install_enqueue_trigger_async(
         await raw.execute(statement)
 
 
-def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | QueueJob) -> None:
+def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | Queued) -> None:
     """Remove the triggers :func:`install_enqueue_trigger` put on ``table`` for ``job``."""
-    name = job.name if isinstance(job, QueueJob) else job
+    name = job.name if isinstance(job, Queued) else job
     raw = _raw(conn)
     for statement in _drop_statements(name, table):
         raw.execute(statement)
 
 
 async def drop_enqueue_trigger_async(
-    conn: AnyAsyncConnection, *, table: str, job: str | QueueJob
+    conn: AnyAsyncConnection, *, table: str, job: str | Queued
 ) -> None:
     """:func:`drop_enqueue_trigger` on an ``AsyncConnection``, in the caller's transaction."""
-    name = job.name if isinstance(job, QueueJob) else job
+    name = job.name if isinstance(job, Queued) else job
     raw = await _araw(conn)
     for statement in _drop_statements(name, table):
         await raw.execute(statement)
@@ -365,11 +379,11 @@ def _drop_statements(name: str, table: str) -> list[sql.Composed]:
     ]
 
 
-def _trigger_columns(columns: Sequence[str], job: str | QueueJob) -> tuple[str, ...]:
+def _trigger_columns(columns: Sequence[str], job: str | Queued) -> tuple[str, ...]:
     cols = (columns,) if isinstance(columns, str) else tuple(columns)
     if not cols or not all(isinstance(c, str) and c for c in cols):
         raise ConfigError(f"columns: expected column names, got {columns!r}")
-    if isinstance(job, QueueJob) and len(cols) != len(job.scope):
+    if isinstance(job, Queued) and len(cols) != len(job.scope):
         raise ConfigError(
             f"columns: job {job.name!r} has the scope {job.scope}; give as many columns, got {cols}"
         )

@@ -277,7 +277,9 @@ class RecomputeBody:
         if not job.atomic:
             later(conn, _DROP_LEFTOVERS)
 
-    def execute(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
+    def execute(
+        self, conn: Connection, job: RecomputeJob, ctx: RunContext, prefetched: None
+    ) -> Execution:
         return run_recompute(conn, job, ctx)
 
 

@@ -92,7 +92,7 @@ class _OwnBody:
     def prefetch(self, conn: Connection, job: Job, ctx: RunContext) -> None:
         job.prefetch(conn, ctx)
 
-    def execute(self, conn: Connection, job: Job, ctx: RunContext) -> Execution:
+    def execute(self, conn: Connection, job: Job, ctx: RunContext, prefetched: None) -> Execution:
         return job.execute(conn, ctx)
 
 
@@ -483,13 +483,14 @@ class _Tick:
         self.session_locked = False
         self.backend: int | None = None
         self.lock_names: tuple[str, ...] = ()
+        self.prefetched: Any = None
         try:
             stop = self._lock()
             if stop is not None:
                 return stop
             if isinstance(job, RecomputeJob) and self._may_chunk(job):
                 self.ctx.checkpoint = self._checkpoint
-            execution = self.body.execute(conn, job, self.ctx)
+            execution = self.body.execute(conn, job, self.ctx, self.prefetched)
             if execution.idle:
                 self.trans.rollback()
                 return self._finish(Outcome.IDLE)
@@ -527,7 +528,7 @@ class _Tick:
         state = later(
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
-        self.body.prefetch(self.conn, self.job, self.ctx)
+        self.prefetched = self.body.prefetch(self.conn, self.job, self.ctx)
         # what the body does, it does under this savepoint: should it fail,
         # the failure is recorded in this transaction, the lock still held
         later(self.conn, _SAVEPOINT_RUN)

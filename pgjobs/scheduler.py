@@ -524,7 +524,8 @@ class Scheduler:
                     self.on_result(result)
                 except Exception:
                     log.exception("pgjobs: on_result failed for %s", name)
-            if not (_more(job, result) or slot.again):
+            listening = self.listener is not None and self.listener.listening.is_set()
+            if not (_more(job, result, listening=listening) or slot.again):
                 return
 
     def _tick(self, job: Job, progress: Progress | None = None) -> RunResult | None:
@@ -652,13 +653,20 @@ def _claimed(job: Job, result: RunResult) -> tuple[int, int]:
     return int(result.detail.get("claimed", result.items)), int(result.detail.get("kept", 0))
 
 
-def _more(job: Job, result: RunResult) -> bool:
+def _more(job: Job, result: RunResult, *, listening: bool = False) -> bool:
     """Is another tick due at once? After any tick that took items off the
     queue: a partial batch does not mean an empty queue when workers claim
     side by side (two read the same due items, one gets them). The tick
-    that finds nothing ends it, for one work check."""
+    that finds nothing ends it, for one work check. A lone worker
+    (``workers = 1``) that claimed a partial batch while the scheduler is
+    listening saw every due item it could take: what is enqueued after its
+    claim wakes it again, so it skips that check (a trickle's every item
+    paid a second tick for it)."""
     claimed, kept = _claimed(job, result)
-    return claimed > kept
+    if claimed <= kept:
+        return False
+    partial = isinstance(job, QueueJob) and job.workers == 1 and claimed < job.batch_size
+    return not (listening and partial)
 
 
 #: after a shutdown deadline, the longest :meth:`Scheduler.shutdown` waits

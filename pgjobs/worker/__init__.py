@@ -6,13 +6,15 @@ items, computes their new rows once, writes one diff scoped to them, calls
    ``FOR KEY SHARE SKIP LOCKED``; then the entries of the items whose
    parents are locked (or gone) ``FOR UPDATE SKIP LOCKED``. Nothing waits.
 2. Load the batch's keys into ``pgjobs_keys`` and call ``compute(conn, keys)``.
-3. Write one scoped diff (:func:`pgjobs.diff.write_diff`), then ``after``.
+3. Write one scoped diff, then ``after``: a small batch in one statement
+   (:mod:`.small`), a larger one through :func:`pgjobs.diff.write_diff`.
 4. Delete the processed entries in the commit's round trip.
 
-Read on: :mod:`.claim` (step 1), :mod:`.tick` (the rest, and the
-isolation of failing items), :mod:`.base`, :mod:`.vacuum`. The queue
-table's API is :mod:`pgjobs.queue`; why each step is as it is:
-``docs/DESIGN.md``, "The queue and its worker".
+Read on, top to bottom: :mod:`.tick` (the tick, and the isolation of
+failing items), :mod:`.claim` (step 1), :mod:`.small`, :mod:`.state` (the
+tick's state, which every step takes), :mod:`.statements` (composed once
+per job), :mod:`.vacuum`. The queue table's API is :mod:`pgjobs.queue`;
+why each step is as it is: ``docs/DESIGN.md``, "The queue and its worker".
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from ..flow import record_query
 from ..jobs import QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
-from ..target import prefetch_fingerprint
-from .tick import Worker
+from ..target import Prefetched, prefetch_fingerprint
+from .tick import run_tick
 
 
 def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[str]]:
@@ -55,10 +57,12 @@ def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
     return bool(row and row[0])
 
 
-def run_queue(conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
+def run_queue(
+    conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None = None
+) -> Execution:
     """One tick of ``job``: claim a batch, compute it once, write one scoped
     diff, call ``after``; inside the job's transaction, the group lock held."""
-    return Worker(conn, job, ctx).run()
+    return run_tick(conn, job, ctx, prefetched)
 
 
 class QueueBody:
@@ -74,15 +78,19 @@ class QueueBody:
             return bool(job.has_work(conn))
         return has_pending(conn, job, ctx)
 
-    def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> None:
-        # the reflection cache's catalog check (see reflect_target)
-        ctx.extra["fingerprint"] = prefetch_fingerprint(conn, job.target, job.parents)
-        # after the write lock: this job's record for recomputes run elsewhere
-        # (pgjobs.flow), unless a fresh one is there (then an index probe)
+    def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> Prefetched | None:
+        """The reflection cache's catalog check (see reflect_target), read
+        by :meth:`execute`; and, after the write lock, this job's record for
+        recomputes run elsewhere (pgjobs.flow), unless a fresh one is there
+        (then an index probe)."""
+        fingerprint = prefetch_fingerprint(conn, job.target, job.parents)
         later(conn, *record_query(job, ctx.namespace, ctx.schema))
+        return fingerprint
 
-    def execute(self, conn: Connection, job: QueueJob, ctx: RunContext) -> Execution:
-        return run_queue(conn, job, ctx)
+    def execute(
+        self, conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None
+    ) -> Execution:
+        return run_queue(conn, job, ctx, prefetched)
 
 
 BODY = QueueBody()

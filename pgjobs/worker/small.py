@@ -1,0 +1,140 @@
+"""A small batch's write in one statement (:class:`pgjobs.diff.small.SmallDiff`):
+the new rows, the scoped difference, the parents and the writes in one
+round trip, with no temp table but the keys table the claim loaded.
+
+Taken for batches of at most :data:`SMALL_KEYS` keys whose compute is SQL
+text psycopg can run as it is, on a target that does not reference
+itself; otherwise, and whenever the statement reports that it could not
+write (a check failed, or an update found fewer rows than planned), the
+general writer (:func:`pgjobs.diff.write_diff`, session temp tables) runs
+instead, under the same savepoint, and says what is wrong. Where the
+switch point comes from: ``docs/queue-performance.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy import text
+
+from .._pg import send
+from ..diff import WriteResult
+from ..diff.small import SmallDiff
+from ..staging import check_coverage
+from ..staging.query import bind, plain_sql, probe_sql, strip
+from ..staging.table import check_columns
+from .state import Tick, is_run_level
+from .statements import frozen
+
+#: batches of up to this many keys take the one-statement write. Measured
+#: (docs/queue-performance.md): at 10 keys the statement drained 1,140-1,620
+#: items/s against the session tables' 790-880; at 100 it won once the
+#: tables had statistics (4,450 against 3,810) and lost while a truncated
+#: target refilled without them (890 against 3,650: psycopg prepares the
+#: statement, and the generic plan made on the empty table scanned it).
+SMALL_KEYS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class _Composed:
+    """One compute text's statement, composed once (kept on the job's statements)."""
+
+    columns: tuple[str, ...]
+    diff: SmallDiff
+    statement: sql.SQL
+
+
+def small_enough(t: Tick, keys: int) -> bool:
+    """Would a batch of ``keys`` keys take the one-statement write?"""
+    return keys <= SMALL_KEYS and t.target.self_reference is None
+
+
+def write_small(
+    t: Tick,
+    items: list[str],
+    source: object,
+    params: dict[str, Any],
+    savepoint: sql.Identifier,
+    *,
+    reload: bool,
+) -> WriteResult | None:
+    """Write the batch (its keys in the keys table) in one statement, under
+    the batch's ``savepoint``; ``None`` when it took nothing (not SQL text,
+    or the statement could not write: rolled back to ``savepoint``, the
+    keys loaded again when they were loaded under it: ``reload``), and the
+    general writer should run."""
+    if not isinstance(source, str):
+        return None
+    clause = text(strip(source))
+    query = plain_sql(t.conn, clause)
+    if query is None:
+        return None
+    bound = bind(clause, params)
+    composed = _composed(t, query, bound)
+    check_coverage(t.target, composed.columns, t.job.columns, "the new rows")
+    started = time.perf_counter()
+    try:
+        (row,) = send(t.conn, (composed.statement, bound))
+    except psycopg.DatabaseError as exc:
+        if is_run_level(exc):
+            raise
+        # the general writer runs it again and says what failed; the
+        # statement is composed again next time (the query's columns may
+        # have changed under a "*")
+        t.statements.small.pop(query, None)
+        _back(t, items, savepoint, reload)
+        return None
+    values = row.one()
+    assert values is not None
+    result = composed.diff.read(values)
+    if not result.ok:
+        _back(t, items, savepoint, reload)
+        return None
+    seconds = time.perf_counter() - started
+    return WriteResult(
+        stats=result.stats,
+        write_seconds=seconds,
+        lock_seconds=seconds,
+        max_chunk_lock_seconds=seconds,
+        deferred=result.deferred,
+        detail={"small": True},
+    )
+
+
+def _back(t: Tick, items: list[str], savepoint: sql.Identifier, reload: bool) -> None:
+    """Undo the statement (and the flow marks it wrote): back to the
+    batch's savepoint, which stays; the keys loaded again if it undid them."""
+    t.raw.execute(sql.SQL("rollback to savepoint {}").format(savepoint))
+    if reload:
+        t.raw.execute(t.statements.load_keys, (items,))
+
+
+def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
+    """The statement for ``query``: its columns probed once (planned with
+    LIMIT 0, no row computed), then composed and kept."""
+    cached = t.statements.small.get(query)
+    if isinstance(cached, _Composed):
+        return cached
+    (probed,) = send(t.conn, (probe_sql(query), params))
+    columns = check_columns(t.target, probed.columns or (), "the new rows' SQL")
+    diff = SmallDiff(
+        t.target,
+        columns,
+        t.job.scope,
+        keys=sql.SQL("select {} from pg_temp.{}").format(
+            t.statements.scope, t.statements.keys_table
+        ),
+        source=sql.SQL(query),
+        held=True,
+        # flow: the marks, in the same statement (docs/DESIGN.md, "Flow")
+        extra=t.statements.mark_small if t.job.flow else None,
+    )
+    made = _Composed(columns, diff, frozen(diff.statement))
+    if len(t.statements.small) >= 16:
+        t.statements.small.clear()
+    t.statements.small[query] = made
+    return made

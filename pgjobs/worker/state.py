@@ -1,0 +1,210 @@
+"""One queue tick's state (:class:`Tick`), what every step of the tick reads
+and adds to, and the small helpers the steps share: savepoints, the
+``pgjobs_keys`` table, and how an error is classified and written down.
+
+The steps are functions that take the tick: :mod:`.claim` (claim the
+items and lock their parents), :mod:`.tick` (process them, take them off
+the queue), :mod:`.small` (a small batch's write in one statement). The
+statements a job runs tick after tick are composed once per job and
+target (:mod:`.statements`), not per tick.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import Connection
+
+from .._pg import driver, sqlstate_of
+from ..database import transaction_pooling
+from ..errors import ConfigError
+from ..jobs import QueueJob, RunContext
+from ..results import DiffStats
+from ..target import Prefetched, Target, reflect_target
+from .statements import KEYS_TABLE, Statements, statements_for
+
+#: savepoints one tick may take to isolate failing items (PostgreSQL caches 64
+#: subtransactions per transaction; beyond that, snapshots slow down)
+MAX_SAVEPOINTS = 48
+
+#: batches with more keys than this get their keys table analyzed
+ANALYZE_KEYS = 1000
+
+# SQLSTATEs that say nothing about an item: the run fails and is retried as a whole.
+_RUN_LEVEL_CLASSES = ("08", "40", "53", "57", "58", "XX")
+_RUN_LEVEL_STATES = ("55P03",)
+
+
+@dataclass(kw_only=True)
+class Tick:
+    """One tick of one queue job, inside the job's transaction: what it was
+    given, and what it did so far (accumulated across the isolation's
+    sub-batches)."""
+
+    conn: Connection
+    raw: psycopg.Connection[Any]
+    job: QueueJob
+    ctx: RunContext
+    target: Target
+    #: the job's statements, composed once for this job and target
+    statements: Statements
+    stats: DiffStats = field(default_factory=DiffStats)
+    compute_seconds: float = 0.0
+    write_seconds: float = 0.0
+    lock_seconds: float = 0.0
+    done: list[str] = field(default_factory=list)
+    #: written, but rows were deferred by the writer: left in the queue
+    kept: list[str] = field(default_factory=list)
+    rows_deferred: int = 0
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    attempts_of: dict[str, int] = field(default_factory=dict)
+    #: seconds since each claimed item's enqueue, at the claim (database clock)
+    age_of: dict[str, float] = field(default_factory=dict)
+    claimed_at: float = 0.0  #: time.perf_counter() at the claim
+    savepoints: int = 0
+    #: a queue of the plugin's own (job.claim): item text -> its key as claimed
+    own: dict[str, tuple[Any, ...]] | None = None
+    #: the items dropped because their parent is gone
+    dropped: list[str] = field(default_factory=list)
+    #: the claim loaded the keys table with its items' keys, and took the
+    #: savepoint of their processing: (that savepoint, the keys)
+    preloaded: tuple[sql.Identifier, list[tuple[Any, ...]]] | None = None
+
+
+def new_tick(
+    conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None
+) -> Tick:
+    """The state of a tick about to claim: the target reflected (from the
+    catalog check the lock's round trip brought back), the job's statements."""
+    target = reflect_target(
+        conn, job.target, key=job.key, parents=job.parents, prefetched=prefetched
+    )
+    missing = [c for c in job.scope if c not in target.types]
+    if missing:
+        raise ConfigError(
+            f"QueueJob {job.name!r}: scope: {target.label} has no writable column(s) "
+            f"{', '.join(missing)}"
+        )
+    return Tick(
+        conn=conn,
+        raw=driver(conn),
+        job=job,
+        ctx=ctx,
+        target=target,
+        statements=statements_for(job, ctx.schema, target),
+    )
+
+
+def is_run_level(exc: BaseException) -> bool:
+    """An error no item caused: fail the run instead of blaming items."""
+    if isinstance(exc, ConfigError):  # the job's definition is wrong, not an item
+        return True
+    state = sqlstate_of(exc)
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith(_RUN_LEVEL_CLASSES) or state in _RUN_LEVEL_STATES
+
+
+def error_text(exc: BaseException) -> str:
+    """What an item's ``last_error`` says: the driver's error (not
+    SQLAlchemy's wrapper, which repeats the SQL and adds a link), with its
+    SQLSTATE when the database gave one."""
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, BaseException):
+        exc = orig
+    state = sqlstate_of(exc)
+    message = f"{type(exc).__name__}: {str(exc).strip()}" + (
+        f" (SQLSTATE {state})" if state else ""
+    )
+    return message if len(message) <= 2000 else message[:1997] + "..."
+
+
+# -- savepoints -----------------------------------------------------------------------
+def next_savepoint(t: Tick) -> sql.Identifier:
+    """The name of the tick's next savepoint (taken by the caller)."""
+    t.savepoints += 1
+    return sql.Identifier(f"pgjobs_q{t.savepoints}")
+
+
+def savepoint(t: Tick) -> sql.Identifier:
+    """Take the tick's next savepoint now; its name."""
+    name = next_savepoint(t)
+    t.raw.execute(sql.SQL("savepoint {}").format(name))
+    return name
+
+
+def release(t: Tick, name: sql.Identifier) -> None:
+    t.raw.execute(sql.SQL("release savepoint {}").format(name))
+
+
+def rollback_to(t: Tick, name: sql.Identifier) -> None:
+    t.raw.execute(sql.SQL("rollback to savepoint {n}; release savepoint {n}").format(n=name))
+
+
+# -- the keys table -----------------------------------------------------------------------
+KEYS_SHAPE = (
+    "select array_agg(attname || ':' || atttypid order by attnum) from pg_attribute"
+    " where attrelid = to_regclass('pg_temp.pgjobs_keys') and attnum > 0"
+    " and not attisdropped"
+)
+"""The keys table's columns and types, as :func:`keys_table_fits` reads them."""
+
+
+#: per driver connection: (its server process, the keys table's shape last
+#: seen there), so that a tick need not ask again (see keys_table_known)
+_shapes: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[int, list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shape(t: Tick) -> list[str]:
+    return [f"{c}:{t.target.types[c].type_oid}" for c in t.job.scope]
+
+
+def keys_table_fits(t: Tick, row: tuple[Any, ...] | None) -> bool:
+    """Does :data:`KEYS_SHAPE`'s answer ``row`` fit this job's scope? (Kept
+    for this connection when it does.)"""
+    fits = row is not None and row[0] == _shape(t)
+    if fits:
+        _shapes[t.raw] = (t.raw.info.backend_pid, _shape(t))
+    else:
+        _shapes.pop(t.raw, None)
+    return fits
+
+
+def keys_table_known(t: Tick) -> bool:
+    """Was the keys table seen (or made) with this job's shape in this
+    session? Never behind a transaction pooler: the next transaction may
+    run on another session. A claim that trusted it and failed forgets it
+    (:func:`forget_keys_table`) and asks."""
+    seen = _shapes.get(t.raw)
+    return (
+        seen is not None
+        and seen == (t.raw.info.backend_pid, _shape(t))
+        and not transaction_pooling()
+    )
+
+
+def forget_keys_table(t: Tick) -> None:
+    _shapes.pop(t.raw, None)
+
+
+def ensure_keys_table(t: Tick) -> None:
+    """``pgjobs_keys`` lives as long as the session (``ON COMMIT DELETE
+    ROWS``): creating a temp table per tick costs more catalog writes than
+    the rest of a small batch. It is recreated when its columns or their
+    types don't match this job's scope."""
+    if not keys_table_fits(t, t.raw.execute(KEYS_SHAPE).fetchone()):
+        create_keys_table(t)
+
+
+def create_keys_table(t: Tick) -> None:
+    t.raw.execute(t.statements.create_keys)
+    _shapes[t.raw] = (t.raw.info.backend_pid, _shape(t))
+
+
+__all__ = ["KEYS_TABLE", "Tick", "new_tick"]
