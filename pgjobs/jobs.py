@@ -23,7 +23,8 @@ import zoneinfo
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, TypeVar
 
 from psycopg import sql
 
@@ -36,8 +37,8 @@ from .results import DiffStats, Execution
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-#: What ``compute`` may return: SQL text, a SQLAlchemy selectable, or rows.
-Source: TypeAlias = Any
+#: What a ``compute`` callable may return: SQL text, a SQLAlchemy selectable, or rows.
+Computed: TypeAlias = Any
 Keys: TypeAlias = list[tuple[Any, ...]]
 
 #: ``progress(phase, done, total)``: phases are "compute", "diff", "write", ...
@@ -81,9 +82,39 @@ class RunContext:
         return later(conn, statement, params)
 
 
-class Body(Protocol):
-    """How the runner runs one kind of job: steps 2 (work?), 3 (what to send
-    with the lock) and 4 (the run) of the protocol."""
+class Locks(Enum):
+    """Which of its group's advisory locks a tick takes in step 3
+    (``docs/DESIGN.md``, "Flow"); the runner turns it into the statement."""
+
+    #: the group's write lock, exclusively, tried (never waited for)
+    WRITE = "write"
+    #: the write lock, shared with the group's other flow workers, waited for
+    #: briefly: a recompute holds it exclusively one chunk at a time, and a
+    #: worker that queues gets in between two chunks
+    SHARED_WRITE = "shared write"
+    #: the group's recompute lock only, tried: a recompute with flow, which
+    #: takes the write lock for an instant per chunk itself
+    RECOMPUTE = "recompute"
+    #: the recompute lock and the write lock, exclusively, tried, to the commit
+    RECOMPUTE_AND_WRITE = "recompute and write"
+
+
+def next_due_after_success(job: Job, started: datetime, scheduled: datetime | None) -> datetime:
+    """When ``job`` is next due after a run that started at ``started``
+    succeeded: one interval later, or the scheduler's next fire time for a
+    cron job (``scheduled``), else at once."""
+    if job.interval is not None:
+        return started + job.interval
+    return scheduled if scheduled is not None else started
+
+
+P = TypeVar("P")
+
+
+class Body(Protocol[P]):
+    """How the runner runs one kind of job: steps 2 (work?), 3 (the locks,
+    what to send with them) and 4 (the run) of the protocol, and when the
+    job is next due. ``P`` is what :meth:`prefetch` hands :meth:`execute`."""
 
     def work_query(self, job: Any, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, or ``None``."""
@@ -91,12 +122,26 @@ class Body(Protocol):
     def check_work(self, conn: Connection, job: Any, ctx: RunContext) -> bool:
         """Step 2, in a short read-only transaction."""
 
-    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> None:
-        """Step 3: queue (:meth:`RunContext.later`) what the body will need
-        first, to go out in the round trip that takes the lock."""
+    def locks(self, job: Any, ctx: RunContext) -> Locks:
+        """Step 3: which of the group's locks the tick takes (after step 2,
+        which may have decided it)."""
 
-    def execute(self, conn: Connection, job: Any, ctx: RunContext) -> Execution:
+    def chunked(self, job: Any, ctx: RunContext) -> bool:
+        """Whether the body may commit in the middle of its run
+        (``ctx.checkpoint``); the runner still says no behind a
+        transaction pooler."""
+
+    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> P:
+        """Step 3: queue (:meth:`RunContext.later`) what the body will need
+        first, to go out in the round trip that takes the lock; what it
+        returns (the handles) is passed to :meth:`execute`."""
+
+    def execute(self, conn: Connection, job: Any, ctx: RunContext, prefetched: P) -> Execution:
         """Step 4: the job's body, inside the job transaction, lock held."""
+
+    def next_due(self, job: Any, started: datetime, scheduled: datetime | None) -> datetime:
+        """When the job is next due after a success (``scheduled``: the
+        scheduler's next fire time of a cron job)."""
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
@@ -420,6 +465,21 @@ class Job:
         group lock; read the results in :meth:`execute` (keep the handles in
         ``ctx.extra``). Nothing by default."""
 
+    def locks(self, ctx: RunContext) -> Locks:
+        """Step 3: which of the group's locks the tick takes: by default the
+        write lock, exclusively, tried (:class:`Locks`)."""
+        return Locks.WRITE
+
+    def chunked(self, ctx: RunContext) -> bool:
+        """Whether :meth:`execute` may commit part-way (``ctx.checkpoint``,
+        the group still locked). No by default."""
+        return False
+
+    def next_due(self, started: datetime, scheduled: datetime | None) -> datetime:
+        """When the job is next due after a success: by default one interval
+        after the run started (a cron job: its next fire time)."""
+        return next_due_after_success(self, started, scheduled)
+
     def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, when it is one: the
         runner sends it in the round trip that reads the job's state (and
@@ -530,7 +590,7 @@ class RecomputeJob(_DiffJob):
 
     kind: ClassVar[str] = "recompute"
 
-    compute: Callable[[Connection], Source] | str = ""
+    compute: Callable[[Connection], Computed] | str = ""
     chunk_parents: int | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     atomic: bool = False
@@ -605,7 +665,7 @@ class QueueJob(_DiffJob):
 
     every: Duration | None = "30s"
     scope: tuple[str, ...] = ()
-    compute: Callable[[Connection, Keys], Source] | str = ""
+    compute: Callable[[Connection, Keys], Computed] | str = ""
     after: Callable[[Connection, Keys, DiffStats], None] | None = None
     batch_size: int = 100
     #: how many ticks of this job a scheduler runs at once (each claims its own batch)

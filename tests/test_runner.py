@@ -658,3 +658,88 @@ def test_a_commit_that_fails_is_a_failed_run_with_nothing_written(items):
         assert conn.execute(text("select count(*) from owned")).scalar_one() == 0
     assert runs(items, "orphan") == [("failed", 0)]
     assert result.next_attempt_at is not None
+
+
+def _held_advisory_locks(conn) -> list[str]:
+    """The advisory locks this connection's session holds (their modes)."""
+    rows = conn.execute(
+        text(
+            "select mode from pg_locks where locktype = 'advisory' and pid = pg_backend_pid()"
+            " and granted"
+        )
+    )
+    return [r.mode for r in rows]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _OwnKind(pgjobs.Job):
+    """A job kind of a user's own that decides in its body: which locks, chunks,
+    when next due. ``seen`` collects what its body saw, run by run."""
+
+    kind = "own"
+    taken: pgjobs.Locks = pgjobs.Locks.WRITE
+    chunks: bool = False
+    due_in: timedelta | None = None
+    seen: list = dataclasses.field(default_factory=list)
+
+    def locks(self, ctx):
+        return self.taken
+
+    def chunked(self, ctx):
+        return self.chunks
+
+    def next_due(self, started, scheduled):
+        if self.due_in is None:
+            return pgjobs.Job.next_due(self, started, scheduled)
+        return started + self.due_in
+
+    def execute(self, conn, ctx):
+        self.seen.append((len(_held_advisory_locks(conn)), ctx.checkpoint is not None))
+        return pgjobs.results.Execution()
+
+
+def test_a_kind_of_its_own_gets_todays_behaviour_by_default(items):
+    """The defaults of the hooks: the write lock alone, no chunks, due one
+    interval after the run started."""
+    clock = FakeClock()
+    job = _OwnKind(name="own", every="10m")
+    with pgjobs.Runner(items, clock=clock) as runner:
+        assert runner.tick(job).outcome is pgjobs.Outcome.RAN
+        assert job.seen == [(1, False)]
+        clock.advance(minutes=9)
+        assert runner.tick(job).outcome is pgjobs.Outcome.NOT_DUE
+        clock.advance(minutes=1)
+        assert runner.tick(job).outcome is pgjobs.Outcome.RAN
+
+
+def test_a_kind_of_its_own_decides_its_locks_chunks_and_next_due(items):
+    """The runner asks the body: two locks (recompute and write), a
+    checkpoint to commit part-way, next due in an hour for a 1 s job."""
+    clock = FakeClock()
+    job = _OwnKind(
+        name="mine",
+        every="1s",
+        taken=pgjobs.Locks.RECOMPUTE_AND_WRITE,
+        chunks=True,
+        due_in=timedelta(hours=1),
+    )
+    with pgjobs.Runner(items, clock=clock) as runner:
+        result = runner.tick(job)
+        assert result.outcome is pgjobs.Outcome.RAN
+        assert job.seen == [(2, True)]
+        assert result.next_attempt_at == T0 + timedelta(hours=1)
+        clock.advance(minutes=59)
+        assert runner.tick(job).outcome is pgjobs.Outcome.NOT_DUE
+        # and the recompute lock alone is the group's recompute lock: a
+        # holder of the write lock does not keep the tick out
+        alone = dataclasses.replace(job, name="alone", taken=pgjobs.Locks.RECOMPUTE, seen=[])
+        with items.connect() as holder:
+            holder.execute(
+                text("select pg_advisory_lock(hashtextextended(:n, 0))"),
+                {"n": lock_name("pgjobs", "alone")},
+            )
+            try:
+                assert runner.tick(alone).outcome is pgjobs.Outcome.RAN
+            finally:
+                holder.execute(text("select pg_advisory_unlock_all()"))
+        assert alone.seen == [(1, True)]
