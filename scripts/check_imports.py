@@ -12,7 +12,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     protocol     runner, steps, records, drift
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, heartbeat
-    model        jobs, results, errors, durations, backoff, logs
+    model        jobs, cron, results, errors, durations, backoff, logs
     base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
 
 A module not listed is refused: put it on a floor. Exit 1 with what is
@@ -69,7 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "heartbeat",
         },
     ),
-    ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),
+    ("model", {"jobs", "cron", "results", "errors", "durations", "backoff", "logs"}),
     ("base", {"_pg", "deadline"}),
 ]
 
