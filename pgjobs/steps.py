@@ -65,7 +65,8 @@ from .records import (
 from .results import Execution, Outcome, RunResult
 from .store import JobState, Store
 
-log = logging.getLogger(__name__)
+#: the tick logs as the runner (what operators filter on: `pgjobs.runner`)
+log = logging.getLogger("pgjobs.runner")
 
 
 class Host(Protocol):
