@@ -22,17 +22,13 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import (
-    send,
-)
+from ._pg import send
 from .database import resolve_engine
 from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded
 from .durations import Duration, parse_duration
 from .errors import ConfigError
 from .jobs import Body, Job, Locks, Progress, QueueJob, RecomputeJob, RunContext
-from .locking import (
-    DEFAULT_NAMESPACE,
-)
+from .locking import DEFAULT_NAMESPACE
 from .recompute import BODY as RECOMPUTE
 from .records import (
     INSTALL_TIMEOUT,
