@@ -743,3 +743,28 @@ def test_a_kind_of_its_own_decides_its_locks_chunks_and_next_due(items):
             finally:
                 holder.execute(text("select pg_advisory_unlock_all()"))
         assert alone.seen == [(1, True)]
+
+
+def test_one_error_text_for_the_run_log_the_items_and_the_checks(items):
+    """`_pg.error_text` renders what the driver said, under SQLAlchemy's
+    wrapper (which repeats the SQL and adds a link): whole for the run log,
+    with the SQLSTATE for a queue item, one line with it for a check."""
+    from pgjobs._pg import error_text, first_line
+
+    with items.connect() as conn, pytest.raises(Exception) as caught:
+        conn.execute(text("select * from no_such_table"))
+    exc = caught.value
+    whole = error_text(exc)
+    assert whole.startswith('UndefinedTable: relation "no_such_table" does not exist')
+    assert "sqlalche.me" not in whole and "[SQL:" not in whole
+    assert error_text(exc, sqlstate=True).endswith(" (SQLSTATE 42P01)")
+    line = error_text(exc, first=True, sqlstate=True)
+    assert line == 'relation "no_such_table" does not exist (SQLSTATE 42P01)'
+    assert first_line(exc) == 'relation "no_such_table" does not exist'
+    assert len(error_text(exc, limit=20)) == 20 and error_text(exc, limit=20).endswith("...")
+    # a failed tick stores the same text
+    job = pgjobs.TaskJob(name="bad", run=lambda c: c.execute(text("select * from no_such_table")))
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(job)
+    assert result.outcome is pgjobs.Outcome.FAILED
+    assert result.error == whole
