@@ -12,7 +12,8 @@ from .drift import CheckResult, Sample
 from .durations import parse_duration
 from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
 from .hookspecs import hookimpl
-from .jobs import Job, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
+from .jobs import Job, Locks, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
+from .lifecycle import lifespan
 from .queue import (
     QueueStats,
     drop_enqueue_trigger,
@@ -27,7 +28,7 @@ from .queue import (
 from .registry import Registry, get_registry
 from .results import DiffStats, Outcome, RunResult
 from .runner import Runner
-from .scheduler import Scheduler, lifespan
+from .scheduler import Scheduler
 
 __all__ = [
     "Backoff",
@@ -37,6 +38,7 @@ __all__ = [
     "DiffStats",
     "Job",
     "JobError",
+    "Locks",
     "MigrationError",
     "Outcome",
     "Parent",

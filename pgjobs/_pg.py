@@ -1,4 +1,7 @@
-"""Small helpers to run composed psycopg SQL on a SQLAlchemy connection.
+"""pgjobs' round trips: the per-connection queue of statements that go
+out together, and running composed psycopg SQL on a SQLAlchemy connection;
+besides, how a database error is read (:func:`error_text`,
+:func:`sqlstate_of`, :func:`connection_lost`).
 
 pgjobs talks SQLAlchemy at its edges (callbacks receive a SQLAlchemy
 ``Connection``) and psycopg inside, because dynamic identifiers are composed
@@ -300,12 +303,38 @@ def qualified(name: str) -> sql.Identifier:
     return sql.Identifier(*parts)
 
 
+def driver_error(exc: BaseException) -> BaseException:
+    """The driver's error under SQLAlchemy's wrapper (which repeats the SQL
+    and adds a link), else ``exc`` itself."""
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
+
+
+def error_text(
+    exc: BaseException, *, limit: int = 4000, sqlstate: bool = False, first: bool = False
+) -> str:
+    """The one rendering of a database error pgjobs stores and prints: what
+    the driver said (SQLAlchemy's wrapper unwrapped), as ``Type: message``;
+    ``first``: only the first line of the message, without the type (the
+    type's name when the message is empty); ``sqlstate``: the SQLSTATE
+    after it, when the database gave one; cut to ``limit`` characters."""
+    orig = driver_error(exc)
+    message = str(orig).strip()
+    if first:
+        text = message.splitlines()[0] if message else type(orig).__name__
+    else:
+        text = f"{type(orig).__name__}: {message}".strip()
+    state = sqlstate_of(exc) if sqlstate else None
+    if state:
+        text += f" (SQLSTATE {state})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of what the driver said (SQLAlchemy's wrapper unwrapped),
-    or the error's type when it said nothing."""
-    orig = getattr(exc, "orig", None) or exc
-    text = str(orig).strip()
-    return text.splitlines()[0] if text else type(orig).__name__
+    or the error's type when it said nothing: :func:`error_text` with
+    ``first``."""
+    return error_text(exc, first=True)
 
 
 def sqlstate_of(exc: BaseException | None) -> str | None:

@@ -12,11 +12,10 @@ name the job's config key or its plugin (:class:`~pgjobs.registry.Registered`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import connection_lost, sqlstate_of
+from ._pg import connection_lost, error_text
 from .errors import ConfigError
 from .jobs import QueueJob, RecomputeJob
 from .registry import Registered
@@ -96,14 +95,8 @@ def _check_job(conn: Connection, entry: Registered) -> None:
         except ConfigError as exc:
             raise ConfigError(f"{entry.key(field)}: {exc}") from None
         except Exception as exc:
-            orig: Any = getattr(exc, "orig", exc)
-            diag = getattr(orig, "diag", None)
-            message = getattr(diag, "message_primary", None) or str(orig).strip().splitlines()[0]
-            state = sqlstate_of(exc)
-            raise ConfigError(
-                f"{entry.key(field)}: the query fails: {message}"
-                + (f" (SQLSTATE {state})" if state else "")
-            ) from exc
+            message = error_text(exc, first=True, sqlstate=True)
+            raise ConfigError(f"{entry.key(field)}: the query fails: {message}") from exc
 
 
 __all__ = ["check_each", "check_jobs"]

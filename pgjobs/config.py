@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .backoff import Backoff
+from .cron import check_cron, check_text, check_timezone
 from .durations import parse_duration, parse_timeout
 from .errors import ConfigError
 from .jobs import (
@@ -58,11 +59,8 @@ from .jobs import (
     QueueJob,
     RecomputeJob,
     TaskJob,
-    check_cron,
     check_name,
     check_table,
-    check_text,
-    check_timezone,
 )
 from .locking import DEFAULT_NAMESPACE
 from .results import DiffStats

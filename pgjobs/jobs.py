@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import zoneinfo
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, TypeVar
 
 from psycopg import sql
 
 from ._pg import Later, later
 from .backoff import Backoff
+from .cron import check_cron, check_text, check_timezone
 from .durations import Duration, format_duration, parse_duration, parse_timeout
 from .errors import ConfigError
 from .results import DiffStats, Execution
@@ -36,8 +37,8 @@ from .results import DiffStats, Execution
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-#: What ``compute`` may return: SQL text, a SQLAlchemy selectable, or rows.
-Source: TypeAlias = Any
+#: What a ``compute`` callable may return: SQL text, a SQLAlchemy selectable, or rows.
+Computed: TypeAlias = Any
 Keys: TypeAlias = list[tuple[Any, ...]]
 
 #: ``progress(phase, done, total)``: phases are "compute", "diff", "write", ...
@@ -81,9 +82,39 @@ class RunContext:
         return later(conn, statement, params)
 
 
-class Body(Protocol):
-    """How the runner runs one kind of job: steps 2 (work?), 3 (what to send
-    with the lock) and 4 (the run) of the protocol."""
+class Locks(Enum):
+    """Which of its group's advisory locks a tick takes in step 3
+    (``docs/DESIGN.md``, "Flow"); the runner turns it into the statement."""
+
+    #: the group's write lock, exclusively, tried (never waited for)
+    WRITE = "write"
+    #: the write lock, shared with the group's other flow workers, waited for
+    #: briefly: a recompute holds it exclusively one chunk at a time, and a
+    #: worker that queues gets in between two chunks
+    SHARED_WRITE = "shared write"
+    #: the group's recompute lock only, tried: a recompute with flow, which
+    #: takes the write lock for an instant per chunk itself
+    RECOMPUTE = "recompute"
+    #: the recompute lock and the write lock, exclusively, tried, to the commit
+    RECOMPUTE_AND_WRITE = "recompute and write"
+
+
+def next_due_after_success(job: Job, started: datetime, scheduled: datetime | None) -> datetime:
+    """When ``job`` is next due after a run that started at ``started``
+    succeeded: one interval later, or the scheduler's next fire time for a
+    cron job (``scheduled``), else at once."""
+    if job.interval is not None:
+        return started + job.interval
+    return scheduled if scheduled is not None else started
+
+
+P = TypeVar("P")
+
+
+class Body(Protocol[P]):
+    """How the runner runs one kind of job: steps 2 (work?), 3 (the locks,
+    what to send with them) and 4 (the run) of the protocol, and when the
+    job is next due. ``P`` is what :meth:`prefetch` hands :meth:`execute`."""
 
     def work_query(self, job: Any, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, or ``None``."""
@@ -91,15 +122,26 @@ class Body(Protocol):
     def check_work(self, conn: Connection, job: Any, ctx: RunContext) -> bool:
         """Step 2, in a short read-only transaction."""
 
-    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> Any:
+    def locks(self, job: Any, ctx: RunContext) -> Locks:
+        """Step 3: which of the group's locks the tick takes (after step 2,
+        which may have decided it)."""
+
+    def chunked(self, job: Any, ctx: RunContext) -> bool:
+        """Whether the body may commit in the middle of its run
+        (``ctx.checkpoint``); the runner still says no behind a
+        transaction pooler."""
+
+    def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> P:
         """Step 3: queue (:meth:`RunContext.later`) what the body will need
         first, to go out in the round trip that takes the lock; what it
-        returns (the handles to read, typed as the body likes) is handed to
-        :meth:`execute`."""
+        returns (the handles) is passed to :meth:`execute`."""
 
-    def execute(self, conn: Connection, job: Any, ctx: RunContext, prefetched: Any) -> Execution:
-        """Step 4: the job's body, inside the job transaction, lock held;
-        ``prefetched``: what :meth:`prefetch` returned."""
+    def execute(self, conn: Connection, job: Any, ctx: RunContext, prefetched: P) -> Execution:
+        """Step 4: the job's body, inside the job transaction, lock held."""
+
+    def next_due(self, job: Any, started: datetime, scheduled: datetime | None) -> datetime:
+        """When the job is next due after a success (``scheduled``: the
+        scheduler's next fire time of a cron job)."""
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
@@ -120,17 +162,6 @@ MAX_ATTEMPTS = 1_000
 MAX_WORKERS = 64
 #: workers x batch_size, when workers > 1 (each holds an advisory lock per item it claims)
 MAX_WORKER_ITEMS = 2_000
-
-
-def check_text(value: object, field: str, *, what: str = "a non-empty string") -> str:
-    """``value`` if it is a non-empty string without a NUL byte (which no
-    PostgreSQL text, name or query can hold), else :class:`ConfigError`
-    naming ``field`` and the value."""
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{field}: expected {what}, got {value!r}")
-    if "\x00" in value:
-        raise ConfigError(f"{field}: must not contain a NUL byte, got {value!r}")
-    return value
 
 
 def check_name(value: object, field: str) -> str:
@@ -158,97 +189,6 @@ def check_count(value: object, field: str, maximum: int) -> int:
             f"{field}: expected a positive integer, at most {maximum:,}, got {value!r}"
         )
     return value
-
-
-# -- cron --------------------------------------------------------------------------
-# The crontab grammar APScheduler 3's CronTrigger.from_crontab accepts, checked
-# here so that a job refuses a bad expression on construction (this module
-# does not import APScheduler; the scheduler parses the expression again).
-_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
-_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
-#: (field, lowest, highest, names of the values from ``lowest`` on)
-_CRON_FIELDS: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
-    ("minute", 0, 59, ()),
-    ("hour", 0, 23, ()),
-    ("day", 1, 31, ()),
-    ("month", 1, 12, _MONTHS),
-    ("day_of_week", 0, 6, _WEEKDAYS),
-)
-_CRON_ITEM = re.compile(r"(\*|(\d+)(?:-(\d+))?)(?:/(\d+))?")
-_CRON_NAMES = re.compile(r"([a-z]+)(?:-([a-z]+))?")
-_MONTH_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
-
-
-def _cron_field(text: str, name: str, low: int, high: int, names: tuple[str, ...]) -> set[int]:
-    """The values ``text`` selects in one crontab field; ValueError saying why not."""
-    values: set[int] = set()
-    for item in text.split(","):
-        match = _CRON_ITEM.fullmatch(item)
-        if match:
-            star, first, last, step = match.groups()
-            start = low if star == "*" else int(first)
-            end = high if star == "*" or (last is None and step is not None) else int(last or first)
-            if not low <= start <= high or not low <= end <= high:
-                raise ValueError(f"{name}: {item!r} is outside {low}-{high}")
-            if start > end:
-                raise ValueError(f"{name}: {item!r} is a range from high to low")
-            if step is not None and not 1 <= int(step) <= end - start:
-                raise ValueError(
-                    f"{name}: {item!r}: a step must be from 1 to the width of its range "
-                    f"({end - start})"
-                )
-            values.update(range(start, end + 1, int(step or 1)))
-            continue
-        match = _CRON_NAMES.fullmatch(item.lower())
-        if match and names and all(n is None or n in names for n in match.groups()):
-            first, last = match.groups()
-            start = names.index(first) + low
-            end = names.index(last) + low if last else start
-            if start > end:
-                raise ValueError(f"{name}: {item!r} is a range from high to low")
-            values.update(range(start, end + 1))
-            continue
-        if name == "day" and item.lower() == "last":
-            values.add(28)  # every month has one
-            continue
-        known = f", or names ({', '.join(names)})" if names else ""
-        extra = ", or last" if name == "day" else ""
-        raise ValueError(f"{name}: {item!r} is not *, N, N-M or a step (*/N, N-M/S){known}{extra}")
-    return values
-
-
-def check_timezone(value: object, field: str) -> str:
-    """An IANA time zone name (``"Europe/Paris"``, ``"UTC"``)."""
-    text = check_text(value, field, what="an IANA time zone such as 'UTC' or 'Europe/Paris'")
-    try:
-        zoneinfo.ZoneInfo(text)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
-        raise ConfigError(
-            f"{field}: expected an IANA time zone such as 'UTC' or 'Europe/Paris', got {value!r}"
-        ) from exc
-    return text
-
-
-def check_cron(value: object, field: str) -> str:
-    """A crontab expression: minute, hour, day of month, month, day of week
-    (APScheduler 3's numbering: 0 is Monday; names ``mon``-``sun`` are clearer).
-    :class:`ConfigError` naming ``field``, the fault and the value otherwise."""
-    text = check_text(value, field, what="a crontab expression such as '*/5 * * * *'")
-    parts = text.split()
-    if len(parts) != 5:
-        raise ConfigError(
-            f"{field}: expected 5 crontab fields (minute hour day month day_of_week), got {value!r}"
-        )
-    try:
-        selected = [_cron_field(p, *spec) for p, spec in zip(parts, _CRON_FIELDS, strict=True)]
-    except ValueError as exc:
-        raise ConfigError(f"{field}: {exc}, got {value!r}") from None
-    days, months = selected[2], selected[3]
-    if parts[2] != "*" and not any(min(days) <= _MONTH_DAYS[m - 1] for m in months):
-        raise ConfigError(
-            f"{field}: no month it names has the day it names: it never fires, got {value!r}"
-        )
-    return text
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -423,6 +363,21 @@ class Job:
         group lock; read the results in :meth:`execute` (keep the handles in
         ``ctx.extra``). Nothing by default."""
 
+    def locks(self, ctx: RunContext) -> Locks:
+        """Step 3: which of the group's locks the tick takes: by default the
+        write lock, exclusively, tried (:class:`Locks`)."""
+        return Locks.WRITE
+
+    def chunked(self, ctx: RunContext) -> bool:
+        """Whether :meth:`execute` may commit part-way (``ctx.checkpoint``,
+        the group still locked). No by default."""
+        return False
+
+    def next_due(self, started: datetime, scheduled: datetime | None) -> datetime:
+        """When the job is next due after a success: by default one interval
+        after the run started (a cron job: its next fire time)."""
+        return next_due_after_success(self, started, scheduled)
+
     def work_query(self, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, when it is one: the
         runner sends it in the round trip that reads the job's state (and
@@ -533,7 +488,7 @@ class RecomputeJob(_DiffJob):
 
     kind: ClassVar[str] = "recompute"
 
-    compute: Callable[[Connection], Source] | str = ""
+    compute: Callable[[Connection], Computed] | str = ""
     chunk_parents: int | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     atomic: bool = False
@@ -608,7 +563,7 @@ class QueueJob(_DiffJob):
 
     every: Duration | None = "30s"
     scope: tuple[str, ...] = ()
-    compute: Callable[[Connection, Keys], Source] | str = ""
+    compute: Callable[[Connection, Keys], Computed] | str = ""
     after: Callable[[Connection, Keys, DiffStats], None] | None = None
     batch_size: int = 100
     #: how many ticks of this job a scheduler runs at once (each claims its own batch)

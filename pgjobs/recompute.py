@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from psycopg import sql
@@ -32,11 +34,11 @@ from .flow import (
     records,
     snapshot_query,
 )
-from .jobs import RecomputeJob, RunContext
+from .jobs import Locks, RecomputeJob, RunContext, next_due_after_success
 from .locking import WAIT_SESSION_SQL, WAIT_XACT_SQL, lock_name
 from .results import Execution
 from .staging import check_coverage, stage
-from .target import Target, describe, prefetch_fingerprint, reflect_target
+from .target import Prefetched, Target, describe, prefetch_fingerprint, reflect_target
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,19 @@ _DROP_LEFTOVERS = sql.SQL(
 )
 
 
-def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execution:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What a recompute's step 3 hands its run: the reflection cache's
+    catalog check, sent with the lock (``None``: nothing to check), and the
+    work check's plan of flow (:mod:`pgjobs.flow`)."""
+
+    fingerprint: Prefetched | None = None
+    plan: FlowPlan = OFF
+
+
+def run_recompute(
+    conn: Connection, job: RecomputeJob, ctx: RunContext, prepared: Prepared | None = None
+) -> Execution:
     """The body of a :class:`~pgjobs.RecomputeJob`: compute and stage the new
     rows holding no row lock, then write the difference
     (:class:`~pgjobs.diff.DiffWriter`), committing after each chunk when it
@@ -64,14 +78,11 @@ def run_recompute(conn: Connection, job: RecomputeJob, ctx: RunContext) -> Execu
     lock held (and, without flow, the write lock). With flow, a worker that
     recorded itself during the run and does not fit the plan gives the run
     up: ``busy``, and the next run plans again (:mod:`pgjobs.flow`)."""
+    prepared = prepared or Prepared(plan=_plan(ctx))
     target = reflect_target(
-        conn,
-        job.target,
-        key=job.key,
-        parents=job.parents,
-        prefetched=ctx.extra.pop("fingerprint", None),
+        conn, job.target, key=job.key, parents=job.parents, prefetched=prepared.fingerprint
     )
-    plan: FlowPlan = ctx.extra.get("flow", OFF)
+    plan = prepared.plan
     if job.flow:
         # The records no recompute will read again, in the commit's round trip
         # (with the write lock held: a worker renewing one cannot wait for it).
@@ -87,7 +98,7 @@ def _run(
     conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, plan: FlowPlan
 ) -> Execution:
     started = time.perf_counter()
-    flow = _Flow.start(conn, job, ctx, target) if plan.flows else None
+    flow = _Flow.start(conn, job, ctx, target, plan) if plan.flows else None
     # Chunks need tables that outlive a commit, and a runner that commits. A
     # target that references itself is written at once, unless chunks of
     # parents are asked for (which the writer refuses there, saying why).
@@ -181,19 +192,27 @@ class _Flow:
     chunk's writes, which first leave out the keys a worker rewrote after S0."""
 
     def __init__(
-        self, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, s0: str
+        self,
+        conn: Connection,
+        job: RecomputeJob,
+        ctx: RunContext,
+        target: Target,
+        plan: FlowPlan,
+        s0: str,
     ) -> None:
         self.conn, self.job, self.target, self.s0 = conn, job, target, s0
         self.namespace, self.schema = ctx.namespace, ctx.schema
         self.write_lock = lock_name(ctx.namespace, job.group or job.name)
         self.marks = sql.Identifier(ctx.schema, "mark")
         #: the plan of the work check (pgjobs.flow): the workers' scope
-        self.plan: FlowPlan = ctx.extra["flow"]
+        self.plan = plan
         assert self.plan.scope is not None
         self.scope: tuple[str, ...] = self.plan.scope
 
     @classmethod
-    def start(cls, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target) -> _Flow:
+    def start(
+        cls, conn: Connection, job: RecomputeJob, ctx: RunContext, target: Target, plan: FlowPlan
+    ) -> _Flow:
         """S0: the write lock, waited for (no worker transaction is then open),
         and in a statement after the grant the snapshot, the workers' records
         as that snapshot sees them, and the lock given back: one round trip.
@@ -206,7 +225,7 @@ class _Flow:
         )
         row = taken.one()
         assert row is not None
-        flow = cls(conn, job, ctx, target, str(row[0]))
+        flow = cls(conn, job, ctx, target, plan, str(row[0]))
         again = plan_for(job, ctx.namespace, records(row[1]))
         if again.scope != flow.scope:
             raise WorkersChanged(
@@ -265,22 +284,36 @@ class RecomputeBody:
         ctx.extra["flow"] = read_plan(conn, job, ctx.namespace, ctx.schema)
         return True
 
-    def flows(self, job: RecomputeJob, ctx: RunContext) -> bool:
-        """Whether the work check's plan has flow (the runner takes the
-        write lock at the start of the run when it has not)."""
-        plan: FlowPlan = ctx.extra.get("flow", OFF)
-        return plan.flows
+    def locks(self, job: RecomputeJob, ctx: RunContext) -> Locks:
+        """The group's recompute lock; without flow (by the work check's
+        plan, from the workers' records) the write lock too, to the commit."""
+        return Locks.RECOMPUTE if _plan(ctx).flows else Locks.RECOMPUTE_AND_WRITE
 
-    def prefetch(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> None:
+    def chunked(self, job: RecomputeJob, ctx: RunContext) -> bool:
+        return not job.atomic
+
+    def prefetch(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> Prepared:
         # the reflection cache's catalog check (see reflect_target)
-        ctx.extra["fingerprint"] = prefetch_fingerprint(conn, job.target, job.parents)
+        fingerprint = prefetch_fingerprint(conn, job.target, job.parents)
         if not job.atomic:
             later(conn, _DROP_LEFTOVERS)
+        return Prepared(fingerprint=fingerprint, plan=_plan(ctx))
 
     def execute(
-        self, conn: Connection, job: RecomputeJob, ctx: RunContext, prefetched: None
+        self, conn: Connection, job: RecomputeJob, ctx: RunContext, prefetched: Prepared
     ) -> Execution:
-        return run_recompute(conn, job, ctx)
+        return run_recompute(conn, job, ctx, prefetched)
+
+    def next_due(
+        self, job: RecomputeJob, started: datetime, scheduled: datetime | None
+    ) -> datetime:
+        return next_due_after_success(job, started, scheduled)
+
+
+def _plan(ctx: RunContext) -> FlowPlan:
+    """The work check's plan of flow (``OFF`` if it made none)."""
+    plan: FlowPlan = ctx.extra.get("flow", OFF)
+    return plan
 
 
 BODY = RecomputeBody()

@@ -1,16 +1,11 @@
-"""The run protocol, the same for every job at every tick.
+"""The runner: runs jobs under the run protocol against one database.
 
-1. **Due?**  ``job_state`` says backing off, or run recently elsewhere: stop, no lock.
-2. **Work?** the body's work check, read-only; nothing: ``idle``, no lock.
-3. **Lock.** ``pg_try_advisory_xact_lock``, never waiting; taken: ``busy``.
-   The state is read again under the lock (a replica may have run the job).
-4. **Run.**  the job's ``SET LOCAL`` timeouts, then its body.
-5. **Commit** the writes with the job's new state and run record.
-6. **Record** any other outcome; a failure sets ``next_attempt_at = now + backoff``.
-
-The body of each kind is in :data:`BODIES` (:mod:`pgjobs.recompute`,
-:mod:`pgjobs.worker`); any other :class:`~pgjobs.Job` is its own body.
-Why each step is as it is: ``docs/DESIGN.md``, "The run protocol".
+:class:`Runner` holds what outlives a tick (the engine, the store, the
+ledger of what could not be written yet, the ticks running now for a
+shutdown's cancel) and starts each tick (:class:`pgjobs.steps.Tick`: the
+six steps). The body of each kind is in :data:`BODIES`
+(:mod:`pgjobs.recompute`, :mod:`pgjobs.worker`); any other
+:class:`~pgjobs.Job` is its own body (:class:`_OwnBody`).
 """
 
 from __future__ import annotations
@@ -18,43 +13,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 from psycopg import sql
-from sqlalchemy.engine import Connection, Engine, RootTransaction
+from sqlalchemy.engine import Connection, Engine
 
-from . import logs
-from ._pg import (
-    abandon,
-    connection_lost,
-    later,
-    open_transaction,
-    send,
-    set_local,
-    sqlstate_of,
-)
-from .database import ENV_TRANSACTION_POOLING, resolve_engine, transaction_pooling
-from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded, cancel_statement
+from ._pg import send
+from .database import resolve_engine
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded
 from .durations import Duration, parse_duration
-from .errors import ConfigError, JobError
-from .jobs import Body, Job, Progress, QueueJob, RecomputeJob, RunContext
-from .locking import (
-    DEFAULT_NAMESPACE,
-    TRY_XACT_BOTH_SQL,
-    TRY_XACT_SQL,
-    WAIT_XACT_SHARED_SQL,
-    lock_name,
-    recompute_lock_name,
-    release_session_lock,
-    try_session_lock,
-)
+from .errors import ConfigError
+from .jobs import Body, Job, Locks, Progress, QueueJob, RecomputeJob, RunContext
+from .locking import DEFAULT_NAMESPACE
 from .recompute import BODY as RECOMPUTE
 from .records import (
     INSTALL_TIMEOUT,
@@ -63,13 +37,11 @@ from .records import (
     Interruptions,
     Ledger,
     QuietTicks,
-    cancelled,
-    interruption,
     tick_bound,
-    write_run,
 )
 from .results import Execution, Outcome, RunResult
-from .store import DEFAULT_SCHEMA, JobState, Store
+from .steps import Tick
+from .store import DEFAULT_SCHEMA, Store
 from .worker import BODY as QUEUE
 
 log = logging.getLogger(__name__)
@@ -77,11 +49,12 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
 
 #: The body of each built-in job kind.
-BODIES: dict[type[Job], Body] = {RecomputeJob: RECOMPUTE, QueueJob: QUEUE}
+BODIES: dict[type[Job], Body[Any]] = {RecomputeJob: RECOMPUTE, QueueJob: QUEUE}
 
 
 class _OwnBody:
-    """A job kind of the user's own: the job's own methods are its body."""
+    """A job kind of the user's own: the job's own methods are its body
+    (their defaults: the write lock, no chunks, due one interval later)."""
 
     def work_query(self, job: Job, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         return job.work_query(ctx)
@@ -89,17 +62,26 @@ class _OwnBody:
     def check_work(self, conn: Connection, job: Job, ctx: RunContext) -> bool:
         return job.check_work(conn, ctx)
 
+    def locks(self, job: Job, ctx: RunContext) -> Locks:
+        return job.locks(ctx)
+
+    def chunked(self, job: Job, ctx: RunContext) -> bool:
+        return job.chunked(ctx)
+
     def prefetch(self, conn: Connection, job: Job, ctx: RunContext) -> None:
         job.prefetch(conn, ctx)
 
     def execute(self, conn: Connection, job: Job, ctx: RunContext, prefetched: None) -> Execution:
         return job.execute(conn, ctx)
 
+    def next_due(self, job: Job, started: datetime, scheduled: datetime | None) -> datetime:
+        return job.next_due(started, scheduled)
+
 
 _OWN = _OwnBody()
 
 
-def body_of(job: Job) -> Body:
+def body_of(job: Job) -> Body[Any]:
     """The body the runner runs ``job`` through."""
     for kind in type(job).__mro__:
         body = BODIES.get(kind)
@@ -110,45 +92,6 @@ def body_of(job: Job) -> Body:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-_READ_ONLY = {"transaction_read_only": "on"}
-
-
-def _job_settings(job: Job) -> dict[str, str]:
-    """``SET LOCAL`` values of the job's ``lock_timeout``, ``statement_timeout``
-    and ``synchronous_commit``; and ``client_connection_check_interval``, so
-    that the server notices a client that died in the middle of a long
-    statement within a second, and lets go of its locks (otherwise they
-    stay until the statement ends: up to 4.6 s measured after a SIGKILL)."""
-    values = {}
-    for name in ("lock_timeout", "statement_timeout"):
-        value = getattr(job, name)
-        assert isinstance(value, timedelta)
-        values[name] = f"{int(value.total_seconds() * 1000)}ms"
-    # "local", not "on": a commit waits for this server's disk, never for a
-    # synchronous standby (which a failover may have taken away)
-    values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
-    values["client_connection_check_interval"] = "1000ms"
-    return values
-
-
-def _slack(interval: timedelta | None) -> timedelta:
-    """Tolerance for timer jitter: a tick that fires a hair before one interval
-    has passed still counts as due (10 % of the interval, at most 1 s)."""
-    if interval is None:
-        return timedelta(seconds=1)
-    return min(interval / 10, timedelta(seconds=1))
-
-
-def _error_text(exc: BaseException) -> str:
-    # SQLAlchemy wraps the driver's error in a text of its own (the SQL again, a
-    # link); the driver's error says what PostgreSQL said.
-    orig = getattr(exc, "orig", None)
-    if isinstance(orig, BaseException):
-        exc = orig
-    message = f"{type(exc).__name__}: {exc}".strip()
-    return message if len(message) <= 4000 else message[:3997] + "..."
 
 
 class Runner:
@@ -195,7 +138,7 @@ class Runner:
         self.ledger = Ledger(self.store, self.worker, self.quiet, self.connect)
 
         #: the ticks running now, for :meth:`cancel_running`
-        self._running: set[_Tick] = set()
+        self._running: set[Tick] = set()
         self._running_lock = threading.Lock()
 
     def cancel_running(self) -> list[str]:
@@ -304,7 +247,9 @@ class Runner:
     ) -> RunResult:
         """:meth:`tick` on a connection of the caller's (not in a transaction).
         Each of its round trips has the job's deadline (:func:`tick_bound`)."""
-        tick = _Tick(self, conn, job, progress=progress, next_due=next_due, force=force)
+        tick = Tick(
+            self, conn, job, body_of(job), progress=progress, next_due=next_due, force=force
+        )
         tick.run_paused = run_paused
         with self._running_lock:
             self._running.add(tick)
@@ -325,491 +270,6 @@ class Runner:
             with conn.begin():
                 send(conn, LOCAL_COMMIT_SQL)
                 return self.store.prune(conn, keep=keep, now=self.clock())
-
-
-class _Tick:
-    """One tick of one job on one connection: the six steps, in order."""
-
-    def __init__(
-        self,
-        runner: Runner,
-        conn: Connection,
-        job: Job,
-        *,
-        progress: Progress | None,
-        next_due: datetime | None,
-        force: bool,
-    ) -> None:
-        self.runner = runner
-        self.store = runner.store
-        self.conn = conn
-        self.job = job
-        self.body = body_of(job)
-        self.next_due = next_due
-        self.force = force
-        self.run_paused = False
-        #: a shutdown deadline cancelled this tick (:meth:`cancel`); once
-        #: ``ending``, its statements are its own rollback and record: no more cancels
-        self.cancelled = False
-        self.ending = False
-        self._cancel_lock = threading.Lock()
-        self.started = runner.clock()
-        self.state: JobState | None = None
-        self.ctx = RunContext(
-            job=job,
-            namespace=runner.namespace,
-            schema=runner.store.schema,
-            now=self.started,
-            progress=progress,
-        )
-
-    def run(self) -> RunResult:
-        stop = self._due_and_work()
-        if stop is not None:
-            return stop
-        if self.cancelled:
-            return self._record_cancelled()
-        return self._locked_run()
-
-    def cancel(self) -> None:
-        """Cancel what this tick runs now, from another thread (a shutdown
-        deadline); the tick then rolls back and ends ``cancelled``. The lock
-        keeps the tick from its rollback while the request is on its way, so
-        that the request cannot cancel the rollback or the record instead."""
-        with self._cancel_lock:
-            if self.ending:
-                return
-            self.cancelled = True
-            conn = self.conn
-            raw = None if conn.invalidated or conn.closed else conn.connection.driver_connection
-            if isinstance(raw, psycopg.Connection):
-                cancel_statement(raw, timeout=CANCEL_TIMEOUT)
-
-    def _end(self) -> bool:
-        """From here on the tick's statements are its rollback and its record
-        (no cancel reaches them); True if a shutdown cancelled it."""
-        with self._cancel_lock:
-            self.ending = True
-            return self.cancelled
-
-    def _record_cancelled(self) -> RunResult:
-        """The run a shutdown deadline cancelled: rolled back (by the caller),
-        recorded ``cancelled`` in the run log; the job's state is left as it
-        was: no failure, no backoff."""
-        result = cancelled(self.job.name, self.started, self.runner.clock())
-        log.warning(
-            "pgjobs: %s: cancelled by the shutdown deadline after %.1f s; rolled back",
-            self.job.name,
-            result.seconds,
-        )
-        return write_run(self.runner.engine, self.conn, self.store, result, self.runner.worker)
-
-    # -- steps 1 and 2 --------------------------------------------------------------
-    def _due_and_work(self) -> RunResult | None:
-        """Steps 1 and 2, no lock: the result of a tick that stops here, or
-        ``None`` to go on."""
-        quick = self._due_and_work_at_once()
-        error: Exception | None = None
-        has_work = False
-        if quick is not None:
-            self.state, has_work = quick
-            blocked = self._blocked()
-        else:
-            with self.conn.begin():
-                self.state = self.store.read_state(self.conn, self.job.name, settings=_READ_ONLY)
-                blocked = self._blocked()
-                if blocked is None:
-                    try:
-                        has_work = self.body.check_work(self.conn, self.job, self.ctx)
-                    except Exception as exc:
-                        error = exc
-        if blocked is not None:
-            return self._blocked_result(blocked)
-        if error is not None:
-            return self._fail(error)
-        if not has_work:
-            return self._finish(Outcome.IDLE)
-        return None
-
-    def _due_and_work_at_once(self) -> tuple[JobState | None, bool] | None:
-        """Steps 1 and 2 in one round trip (BEGIN, the state, the body's
-        work statement, COMMIT), for jobs whose check is one statement;
-        whether the job is due is decided after it (the check is an index
-        probe: asking it of a job that is not due costs less than a round
-        trip). ``None``: the job has no such statement, or something failed;
-        the caller then takes the two steps one by one, which says what
-        failed."""
-        query = self.body.work_query(self.job, self.ctx)
-        if query is None:
-            return None
-        trans = self.conn.begin()
-        try:
-            state, work = send(
-                self.conn,
-                self.store.state_query(self.job.name, settings=_READ_ONLY),
-                query,
-                commit=trans,
-            )
-            return self.store.state_from_row(self.job.name, state.one()), bool(work.scalar())
-        except Exception:
-            abandon(self.conn, trans)
-            log.debug("pgjobs: %s: the one-round-trip check failed", self.job.name, exc_info=True)
-            return None
-
-    def _blocked(self) -> Outcome | None:
-        """``paused``, ``backing_off`` or ``not_due`` by the job's state, unless forced."""
-        state = self.state
-        if state is not None and state.paused_at is not None and not self.run_paused:
-            return Outcome.PAUSED
-        if self.force or state is None or state.next_attempt_at is None:
-            return None
-        if state.failures > 0:
-            return Outcome.BACKING_OFF if self.started < state.next_attempt_at else None
-        if self.started + _slack(self.job.interval) < state.next_attempt_at:
-            return Outcome.NOT_DUE
-        return None
-
-    def _blocked_result(self, outcome: Outcome) -> RunResult:
-        state = self.state
-        if outcome is Outcome.PAUSED and state is not None:
-            paused = {"paused_at": state.paused_at, "reason": state.paused_reason}
-            return self._finish(outcome, detail=paused)
-        return self._finish(outcome, next_attempt_at=state.next_attempt_at if state else None)
-
-    # -- steps 3 to 5 ----------------------------------------------------------------
-    def _locked_run(self) -> RunResult:
-        conn, job = self.conn, self.job
-        self.trans: RootTransaction = conn.begin()
-        self.session_locked = False
-        self.backend: int | None = None
-        self.lock_names: tuple[str, ...] = ()
-        self.prefetched: Any = None
-        try:
-            stop = self._lock()
-            if stop is not None:
-                return stop
-            if isinstance(job, RecomputeJob) and self._may_chunk(job):
-                self.ctx.checkpoint = self._checkpoint
-            execution = self.body.execute(conn, job, self.ctx, self.prefetched)
-            if execution.idle:
-                self.trans.rollback()
-                return self._finish(Outcome.IDLE)
-            if execution.busy:  # a recompute with flow gave up (pgjobs.flow)
-                self.trans.rollback()
-                return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
-            result = self._commit(execution)
-        except Exception as exc:
-            return self._fail_locked(exc)
-        finally:
-            if self.session_locked:
-                self._release_session_lock()
-        logs.ran(log, result, previous_failures=self.state.failures if self.state else 0)
-        self._after_commit()
-        return result
-
-    @property
-    def _group(self) -> str:
-        return self.job.group or self.job.name
-
-    def _lock(self) -> RunResult | None:
-        """Step 3, in one round trip: BEGIN, the lock, then (if it was taken)
-        the re-check of the state under it (a replica may have run the job
-        since step 1) with the job's settings, and what the body prefetches.
-        Both are read-only and transaction-local: when the lock is busy they
-        are rolled back. Returns the result of a tick that stops here."""
-        statement, self.lock_names = self._lock_statement()
-        waits = statement == WAIT_XACT_SHARED_SQL
-        if waits:
-            timeout = self.job.lock_timeout
-            assert isinstance(timeout, timedelta)
-            wait = min(timeout, FLOW_WAIT) if timeout > timedelta(0) else FLOW_WAIT
-            later(self.conn, _LOCK_TIMEOUT, (f"{int(wait.total_seconds() * 1000)}ms",))
-        lock = later(self.conn, statement, self.lock_names)
-        state = later(
-            self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
-        )
-        self.prefetched = self.body.prefetch(self.conn, self.job, self.ctx)
-        # what the body does, it does under this savepoint: should it fail,
-        # the failure is recorded in this transaction, the lock still held
-        later(self.conn, _SAVEPOINT_RUN)
-        try:
-            send(self.conn)
-        except psycopg.errors.LockNotAvailable:
-            if not waits or lock.result is not None:
-                raise
-            self.trans.rollback()  # a recompute wrote longer than FLOW_WAIT
-            return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
-        assert lock.result is not None and state.result is not None
-        if not lock.result.scalar():
-            self.trans.rollback()
-            return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
-        self.state = self.store.state_from_row(self.job.name, state.result.one())
-        blocked = self._blocked()
-        if blocked is not None:
-            self.trans.rollback()
-            return self._blocked_result(blocked)
-        return None
-
-    def _lock_statement(self) -> tuple[str, tuple[str, ...]]:
-        """Which locks the job takes, never waiting (``docs/DESIGN.md``, "Flow"):
-        a queue worker with flow shares the group's write lock with the other
-        workers; a recompute takes the group's recompute lock, and, without
-        flow, the write lock too, exclusively, to its commit; any other job
-        the write lock, exclusively."""
-        namespace, group, job = self.runner.namespace, self._group, self.job
-        write = lock_name(namespace, group)
-        if isinstance(job, QueueJob) and job.flow:
-            # waited for, briefly: a recompute holds it exclusively only for
-            # one chunk at a time, and a worker that queues gets in between
-            # two chunks (a try would find the next chunk's request queued)
-            return WAIT_XACT_SHARED_SQL, (write,)
-        if isinstance(job, RecomputeJob):
-            mine = recompute_lock_name(namespace, group)
-            if RECOMPUTE.flows(job, self.ctx):  # its work check read the workers' records
-                return TRY_XACT_SQL, (mine,)
-            return TRY_XACT_BOTH_SQL, (mine, write)
-        return TRY_XACT_SQL, (write,)
-
-    def _may_chunk(self, job: RecomputeJob) -> bool:
-        """Chunks hold the group's lock at session level and temp tables
-        across commits: not behind a transaction pooler, where the next
-        transaction may run in another server session."""
-        if job.atomic or not transaction_pooling():
-            return not job.atomic
-        if job.name not in _told_unchunked:
-            _told_unchunked.add(job.name)
-            log.warning(
-                "pgjobs: %s: behind a transaction pooler ($%s) it writes in one transaction,"
-                " however large the difference",
-                job.name,
-                ENV_TRANSACTION_POOLING,
-            )
-        return False
-
-    def _checkpoint(self) -> None:
-        """Commit what is written so far, and go on in a new transaction with
-        the job's settings and its savepoint (chunked writes). The first one
-        takes the group's lock at session level too, which keeps the group
-        across the commits (this session holds it already, in the
-        transaction: it is granted at once). Each one checks that the
-        transaction before it ran in the same server session."""
-        if not self.session_locked:
-            for name in self.lock_names:
-                self.backend = try_session_lock(self.conn, name)
-            self.session_locked = self.backend is not None
-        self._queue_before_commit()
-        send(self.conn, commit=self.trans)
-        self.trans = self.conn.begin()
-        # one round trip a chunk: the settings, the savepoint, and the check
-        settings, params = set_local(_job_settings(self.job))
-        later(self.conn, _SAVEPOINT_RUN)
-        (now_on,) = send(self.conn, (sql.SQL("{}, pg_backend_pid()").format(settings), params))
-        if self.backend is not None and (now_on.one() or (None,))[-1] != self.backend:
-            raise JobError(_SESSION_CHANGED.format(name=self.job.name))
-
-    def _commit(self, execution: Execution) -> RunResult:
-        """Step 5: the run record (with the success state) and COMMIT, in one
-        round trip after what the body left for the commit."""
-        next_attempt = self._next_after_success()
-        result = RunResult(
-            job=self.job.name,
-            outcome=Outcome.RAN,
-            started_at=self.started,
-            finished_at=self.runner.clock(),
-            stats=execution.stats,
-            compute_seconds=execution.compute_seconds,
-            write_seconds=execution.write_seconds,
-            lock_seconds=execution.lock_seconds,
-            items=execution.items,
-            failed_items=execution.failed_items,
-            next_attempt_at=next_attempt,
-            detail=dict(execution.detail),
-            queue_lag=execution.queue_lag,
-        )
-        self._queue_before_commit()
-        # deferred constraints are checked here, under the savepoint: a
-        # violation is then a failure recorded with the lock still held
-        later(self.conn, _CONSTRAINTS_NOW)
-        self.runner.quiet.queue_for(self.conn, self.job.name)
-        (recorded,) = send(
-            self.conn,
-            self.store.run_query(result, self.runner.worker, success_next_attempt=next_attempt),
-            commit=self.trans,
-        )
-        return replace(result, run_id=int(recorded.scalar()))
-
-    def _queue_before_commit(self) -> None:
-        """What the body left for the commit goes out in its round trip."""
-        statements, self.ctx.before_commit = self.ctx.before_commit, []
-        for statement, params in statements:
-            later(self.conn, statement, params)
-
-    def _after_commit(self) -> None:
-        for action in self.ctx.after_commit:
-            try:
-                action(self.conn)
-            except Exception:
-                log.warning(
-                    "pgjobs: %s: after its commit: %s failed", self.job.name, action, exc_info=True
-                )
-                if self.conn.in_transaction():
-                    self.conn.rollback()
-
-    def _next_after_success(self) -> datetime:
-        if isinstance(self.job, QueueJob):
-            # a queue job is due whenever it has work: its interval is how
-            # often it looks when nothing wakes it, not a pace
-            return self.started
-        if self.job.interval is not None:
-            return self.started + self.job.interval
-        return self.next_due if self.next_due is not None else self.started
-
-    def _busy_retry(self) -> timedelta | None:
-        job = self.job
-        retry = job.busy_retry
-        if not isinstance(retry, timedelta):
-            return None
-        if job.interval is not None and retry >= job.interval:
-            return None
-        # Spread over [retry/2, retry]: a fixed delay can line up with another
-        # job's ticks (a 1 s job, a retry after 1 s) and lose the race every time.
-        return retry * random.uniform(0.5, 1.0)
-
-    def _release_session_lock(self) -> None:
-        try:
-            with self.conn.begin():
-                for name in self.lock_names:
-                    release_session_lock(self.conn, name)
-        except Exception:
-            # A pooled connection must never go back holding the group lock.
-            log.warning(
-                "pgjobs: could not release the session lock of %s; dropping the connection",
-                self.job.name,
-            )
-            self.conn.invalidate()
-
-    # -- step 6 ----------------------------------------------------------------------
-    def _interrupted(self, exc: Exception, why: tuple[str, str]) -> RunResult:
-        """A run cut off by a lost connection (or a standby): rolled back,
-        recorded as ``interrupted`` if the database takes it, retried soon
-        (``retry_after``); the job's state and backoff are left alone."""
-        sqlstate, line = why
-        if self._trans_open():
-            abandon(self.conn, self.trans)
-        delay = self.runner.interruptions.note(self.job.name, line)
-        result = RunResult(
-            job=self.job.name,
-            outcome=Outcome.INTERRUPTED,
-            started_at=self.started,
-            finished_at=self.runner.clock(),
-            error=_error_text(exc),
-            sqlstate=sqlstate,
-            retry_after=timedelta(seconds=delay),
-        )
-        log.debug("pgjobs: %s: the interruption", self.job.name, exc_info=exc)
-        return self.runner.record_interrupted(result)
-
-    def _trans_open(self) -> bool:
-        trans: RootTransaction | None = getattr(self, "trans", None)
-        return trans is not None and trans.is_active
-
-    def _failure(self, exc: Exception) -> Failure:
-        job, state = self.job, self.state
-        failures = (state.failures if state else 0) + 1
-        next_attempt = self.runner.clock() + job.backoff_policy.delay(failures)
-        sqlstate = sqlstate_of(exc) or ("08006" if connection_lost(exc) else None)
-        result = RunResult(
-            job=job.name,
-            outcome=Outcome.FAILED,
-            started_at=self.started,
-            finished_at=self.runner.clock(),
-            error=_error_text(exc),
-            sqlstate=sqlstate,
-            next_attempt_at=next_attempt,
-        )
-        logs.failed(log, result, failures=failures, exc=exc)
-        return Failure(result=result, failures=failures, started_at=self.started)
-
-    def _fail_locked(self, exc: Exception) -> RunResult:
-        """A failure with the group lock taken: recorded in the job's own
-        transaction (rolled back to its savepoint, the lock still held), so
-        that no replica can start the job between the failure and its
-        backoff. When that transaction is gone (the connection was lost, or
-        COMMIT itself failed), so is the lock: recorded elsewhere. A tick
-        that a shutdown deadline cancelled rolls back and ends ``cancelled``;
-        a lost connection is no failure of the job: :meth:`_interrupted`."""
-        if self._end():
-            abandon(self.conn, self.trans)
-            return self._record_cancelled()
-        why = interruption(exc, self.conn)
-        if why is not None:
-            return self._interrupted(exc, why)
-        failure = self._failure(exc)
-        if open_transaction(self.conn):
-            try:
-                self.runner.quiet.queue_for(self.conn, self.job.name)
-                *_, recorded = send(
-                    self.conn,
-                    (_ROLLBACK_RUN, None),
-                    LOCAL_COMMIT_SQL,
-                    failure.state_query(self.store),
-                    self.store.run_query(failure.result, self.runner.worker),
-                    commit=self.trans,
-                )
-                return replace(failure.result, run_id=int(recorded.scalar()))
-            except Exception:
-                log.debug(
-                    "pgjobs: %s: recording the failure in its own transaction failed",
-                    self.job.name,
-                    exc_info=True,
-                )
-        abandon(self.conn, self.trans)
-        return self.runner.record_failure(failure, self.conn)
-
-    def _fail(self, exc: Exception) -> RunResult:
-        """A failure before the lock (the work check): recorded on its own."""
-        if self._end():
-            return self._record_cancelled()
-        why = interruption(exc, self.conn)
-        if why is not None:
-            return self._interrupted(exc, why)
-        return self.runner.record_failure(self._failure(exc), self.conn)
-
-    def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:
-        """A tick that changed nothing (idle, busy, not due, backing off):
-        counted, not logged (see :class:`~pgjobs.records.QuietTicks`)."""
-        result = RunResult(
-            job=self.job.name,
-            outcome=outcome,
-            started_at=self.started,
-            finished_at=self.runner.clock(),
-            **fields,
-        )
-        self.runner.quiet.count(result)
-        logs.quiet(log, result)
-        return result
-
-
-_SESSION_CHANGED = (
-    "{name}: chunked writes need one server session across their commits, and this"
-    " connection's next transaction ran in another (a transaction pooler, such as PgBouncer"
-    " with pool_mode = transaction?). The chunks before it are committed; the group's"
-    " session lock stays with the previous server session until the pooler closes it. Behind"
-    " a transaction pooler set $" + ENV_TRANSACTION_POOLING + "=1 (chunked jobs then write in"
-    " one transaction)."
-)
-#: jobs already told that they write in one transaction (logged once per process)
-_told_unchunked: set[str] = set()
-
-_SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
-_LOCK_TIMEOUT = sql.SQL("select set_config('lock_timeout', %s, true)")
-#: the longest a shutdown's cancel request may take (connect, send, the answer)
-CANCEL_TIMEOUT = 2.0
-#: the longest a flow worker waits for the group's write lock (a recompute's
-#: chunk, or its start snapshot); then ``busy``
-FLOW_WAIT = timedelta(seconds=2)
-_ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
-_CONSTRAINTS_NOW = sql.SQL("set constraints all immediate")
 
 
 __all__ = ["BODIES", "Runner", "body_of"]

@@ -26,7 +26,7 @@ When the database cannot be reached, one line says so and one line says
 when it answers again; the ticks in between are skipped quietly.
 
 The scheduler installs no signal handler and configures no logging; embed
-it in a FastAPI app with :func:`lifespan`::
+it in a FastAPI app with :func:`~pgjobs.lifespan` (:mod:`pgjobs.lifecycle`)::
 
     app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml"))
 
@@ -61,12 +61,22 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from ._pg import first_line, unavailable, why_unavailable
+from ._pg import first_line, unavailable
 from .checks import check_jobs
 from .database import transaction_pooling
 from .deadline import DEFAULT_CALL_TIMEOUT
 from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
+from .firing import (
+    CANCEL_GRACE,
+    InFlight,
+    Outage,
+    Slot,
+    deadline_of,
+    listening_again,
+    lost_listening,
+    more_at_once,
+)
 from .flow import RENEW_EVERY, renew
 from .heartbeat import Heartbeat
 from .jobs import Job, Progress, QueueJob, RecomputeJob
@@ -162,7 +172,7 @@ class Scheduler:
         self.max_workers = max_workers
         self.check = check
         self.strict = strict
-        self.shutdown_timeout = _deadline(shutdown_timeout, "shutdown_timeout")
+        self.shutdown_timeout = deadline_of(shutdown_timeout, "shutdown_timeout")
         self.on_result = on_result
         self.runner = Runner(
             database,
@@ -173,17 +183,38 @@ class Scheduler:
         )
         #: the jobs that failed their pre-flight check, set aside
         self.preflight = Preflight(self.runner)
-        self._flight = _InFlight()
+        self._flight = InFlight()
         #: this scheduler's row in pgjobs.scheduler, while it runs
         self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), heartbeat_every)
-        self._triggers: dict[str, Any] = {}
+        self._triggers = self._make_triggers()
+        #: wake queue jobs on enqueue (LISTEN does not work behind a transaction pooler)
+        self.listen = (not transaction_pooling()) if listen is None else listen
+        # The entries (periodic, busy retry) and the wake-ups all run a job
+        # through its slots: one tick at a time per slot, ``workers`` slots.
+        self._slots = {
+            name: [Slot() for _ in range(job.workers if isinstance(job, QueueJob) else 1)]
+            for name, job in self.jobs.items()
+        }
+        self._wake_lock = threading.Lock()
+        self._pool: WakePool | None = None
+        self._outage = Outage()
+        #: the listener, while the scheduler runs and listens
+        self.listener: Listener | None = None
+        self._lock = threading.Lock()
+        self._aps: BackgroundScheduler | None = None
+        self._stopping = threading.Event()
+
+    def _make_triggers(self) -> dict[str, Any]:
+        """Each job's APScheduler trigger: its cron (in its time zone, else
+        the scheduler's) or its interval."""
+        triggers: dict[str, Any] = {}
         for job in self.jobs.values():
             if job.cron is not None:
                 try:
                     zone = (
                         self.timezone if job.timezone is None else zoneinfo.ZoneInfo(job.timezone)
                     )
-                    self._triggers[job.name] = CronTrigger.from_crontab(job.cron, timezone=zone)
+                    triggers[job.name] = CronTrigger.from_crontab(job.cron, timezone=zone)
                 except ValueError as exc:
                     # The job checked the expression's syntax; what APScheduler
                     # still refuses is named by the job's config key (or plugin).
@@ -191,25 +222,10 @@ class Scheduler:
                     raise ConfigError(f"{where}: {exc}, got {job.cron!r}") from exc
             else:
                 assert job.interval is not None
-                self._triggers[job.name] = IntervalTrigger(
+                triggers[job.name] = IntervalTrigger(
                     seconds=job.interval.total_seconds(), timezone=self.timezone
                 )
-        #: wake queue jobs on enqueue (LISTEN does not work behind a transaction pooler)
-        self.listen = (not transaction_pooling()) if listen is None else listen
-        # The entries (periodic, busy retry) and the wake-ups all run a job
-        # through its slots: one tick at a time per slot, ``workers`` slots.
-        self._slots = {
-            name: [_Slot() for _ in range(job.workers if isinstance(job, QueueJob) else 1)]
-            for name, job in self.jobs.items()
-        }
-        self._wake_lock = threading.Lock()
-        self._pool: WakePool | None = None
-        self._outage = _Outage()
-        #: the listener, while the scheduler runs and listens
-        self.listener: Listener | None = None
-        self._lock = threading.Lock()
-        self._aps: BackgroundScheduler | None = None
-        self._stopping = threading.Event()
+        return triggers
 
     @classmethod
     def from_config(
@@ -279,65 +295,72 @@ class Scheduler:
                 executors={"default": ThreadPoolExecutor(self.max_workers)},
                 job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
             )
-            now = datetime.now(self.timezone)
-            for name, job in self.jobs.items():
-                first = now if job.interval is not None else None
-                options: dict[str, Any] = {"next_run_time": first} if first is not None else {}
-                aps.add_job(
-                    self._fire,
-                    self._triggers[name],
-                    args=[name],
-                    id=_entry_id(name),
-                    name=name,
-                    **options,
-                )
-            for name, job in self.jobs.items():
-                verify = job.verify_interval if isinstance(job, RecomputeJob) else None
-                if verify is not None:
-                    # (the first check one interval after the start: the job's
-                    # own first run comes first)
-                    aps.add_job(
-                        self._verify,
-                        IntervalTrigger(seconds=verify.total_seconds(), timezone=self.timezone),
-                        args=[name],
-                        id=_verify_id(name),
-                        name=_verify_id(name),
-                    )
-            if self.keep_runs is not None:
-                aps.add_job(
-                    self._prune,
-                    IntervalTrigger(
-                        seconds=self.prune_every.total_seconds(), timezone=self.timezone
-                    ),
-                    id=_PRUNE_ID,
-                    name=_PRUNE_ID,
-                )
-            if any(isinstance(job, QueueJob) for job in self.jobs.values()):
-                aps.add_job(  # their records, for recomputes elsewhere (pgjobs.flow)
-                    self._renew_workers,
-                    IntervalTrigger(seconds=RENEW_EVERY.total_seconds(), timezone=self.timezone),
-                    id=_RENEW_ID,
-                    name=_RENEW_ID,
-                )
+            self._add_entries(aps)
             with self._wake_lock:
                 self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
             aps.start()
             self._aps = aps
-            queues = [name for name, job in self.jobs.items() if isinstance(job, QueueJob)]
-            if self.listen and queues:
-                self.listener = Listener(
-                    self.runner.engine,
-                    queues,
-                    schema=self.runner.store.schema,
-                    wake=self.wake,
-                    on_lost=_lost_listening,
-                    on_back=_listening_again,
-                    check_timeout=self.runner.call_timeout,
-                )
-                self.listener.start()
+            self._start_listener()
             log.info(
                 "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
             )
+
+    def _add_entries(self, aps: BackgroundScheduler) -> None:
+        """The APScheduler entries: each job's (an interval job's first tick
+        now), the verifications, the prune, the workers' records."""
+        now = datetime.now(self.timezone)
+        for name, job in self.jobs.items():
+            first = now if job.interval is not None else None
+            options: dict[str, Any] = {"next_run_time": first} if first is not None else {}
+            aps.add_job(
+                self._fire,
+                self._triggers[name],
+                args=[name],
+                id=_entry_id(name),
+                name=name,
+                **options,
+            )
+        for name, job in self.jobs.items():
+            verify = job.verify_interval if isinstance(job, RecomputeJob) else None
+            if verify is not None:
+                # (the first check one interval after the start: the job's
+                # own first run comes first)
+                aps.add_job(
+                    self._verify,
+                    IntervalTrigger(seconds=verify.total_seconds(), timezone=self.timezone),
+                    args=[name],
+                    id=_verify_id(name),
+                    name=_verify_id(name),
+                )
+        if self.keep_runs is not None:
+            aps.add_job(
+                self._prune,
+                IntervalTrigger(seconds=self.prune_every.total_seconds(), timezone=self.timezone),
+                id=_PRUNE_ID,
+                name=_PRUNE_ID,
+            )
+        if any(isinstance(job, QueueJob) for job in self.jobs.values()):
+            aps.add_job(  # their records, for recomputes elsewhere (pgjobs.flow)
+                self._renew_workers,
+                IntervalTrigger(seconds=RENEW_EVERY.total_seconds(), timezone=self.timezone),
+                id=_RENEW_ID,
+                name=_RENEW_ID,
+            )
+
+    def _start_listener(self) -> None:
+        """LISTEN for the queue jobs' enqueues, if asked to and there are any."""
+        queues = [name for name, job in self.jobs.items() if isinstance(job, QueueJob)]
+        if self.listen and queues:
+            self.listener = Listener(
+                self.runner.engine,
+                queues,
+                schema=self.runner.store.schema,
+                wake=self.wake,
+                on_lost=lost_listening,
+                on_back=listening_again,
+                check_timeout=self.runner.call_timeout,
+            )
+            self.listener.start()
 
     def shutdown(self, wait: bool = True, *, timeout: Duration | None = None) -> bool:
         """Stop firing; with ``wait``, return once the running ticks have
@@ -351,7 +374,7 @@ class Scheduler:
         that (one busy in Python rather than in a statement: it is left to
         its thread; a process that exits now has PostgreSQL roll it back).
         """
-        deadline = self.shutdown_timeout if timeout is None else _deadline(timeout, "timeout")
+        deadline = self.shutdown_timeout if timeout is None else deadline_of(timeout, "timeout")
         if wait and deadline is not None:
             return self._shutdown_by(deadline)
         aps, pool = self._stop_firing()
@@ -381,7 +404,7 @@ class Scheduler:
 
     def _shutdown_by(self, deadline: timedelta) -> bool:
         """:meth:`shutdown` with a deadline: the running ticks are waited for
-        through :class:`_InFlight`, not the executors (which cannot time out)."""
+        through :class:`InFlight`, not the executors (which cannot time out)."""
         aps, pool = self._stop_firing()
         if aps is None:
             self.runner.close()  # start() may have failed after connecting
@@ -493,7 +516,7 @@ class Scheduler:
                     if not slot.again:
                         return
 
-    def _work(self, name: str, index: int, slot: _Slot) -> None:
+    def _work(self, name: str, index: int, slot: Slot) -> None:
         job = self.jobs[name]
         progress = None
         if index + 1 < len(self._slots[name]):
@@ -525,7 +548,7 @@ class Scheduler:
                 except Exception:
                     log.exception("pgjobs: on_result failed for %s", name)
             listening = self.listener is not None and self.listener.listening.is_set()
-            if not (_more(job, result, listening=listening) or slot.again):
+            if not (more_at_once(job, result, listening=listening) or slot.again):
                 return
 
     def _tick(self, job: Job, progress: Progress | None = None) -> RunResult | None:
@@ -635,172 +658,4 @@ class Scheduler:
             log.debug("pgjobs: could not record the queue workers", exc_info=True)
 
 
-def _lost_listening(exc: BaseException) -> None:
-    log.warning(
-        "pgjobs: not listening for enqueues (%s); the queue jobs poll until it can again",
-        first_line(exc),
-    )
-
-
-def _listening_again(server: str) -> None:
-    log.warning("pgjobs: listening for enqueues again, on %s", server)
-
-
-def _claimed(job: Job, result: RunResult) -> tuple[int, int]:
-    """(items a queue tick claimed, of which it left queued for later)."""
-    if not isinstance(job, QueueJob) or result.outcome is not Outcome.RAN:
-        return 0, 0
-    return int(result.detail.get("claimed", result.items)), int(result.detail.get("kept", 0))
-
-
-def _more(job: Job, result: RunResult, *, listening: bool = False) -> bool:
-    """Is another tick due at once? After any tick that took items off the
-    queue: a partial batch does not mean an empty queue when workers claim
-    side by side (two read the same due items, one gets them). The tick
-    that finds nothing ends it, for one work check. A lone worker
-    (``workers = 1``) that claimed a partial batch while the scheduler is
-    listening saw every due item it could take: what is enqueued after its
-    claim wakes it again, so it skips that check (a trickle's every item
-    paid a second tick for it)."""
-    claimed, kept = _claimed(job, result)
-    if claimed <= kept:
-        return False
-    partial = isinstance(job, QueueJob) and job.workers == 1 and claimed < job.batch_size
-    return not (listening and partial)
-
-
-#: after a shutdown deadline, the longest :meth:`Scheduler.shutdown` waits
-#: for the cancelled ticks to roll back, asking again every 100 ms
-CANCEL_GRACE = 0.8
-
-
-def _deadline(value: Duration | None, field: str) -> timedelta | None:
-    if value is None:
-        return None
-    deadline = parse_duration(value, field=field)
-    if deadline < timedelta(0):
-        raise ConfigError(f"{field}: must not be negative, got {value!r}")
-    return deadline
-
-
-class _InFlight:
-    """How many entry calls (ticks, prunes) run now; :meth:`wait` for none.
-    A call entered after :meth:`Scheduler.shutdown` set its stop flag sees
-    the flag and returns without ticking."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._idle = threading.Condition()
-
-    def __enter__(self) -> None:
-        with self._idle:
-            self._count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._idle:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout)
-
-
-class _Slot:
-    """One worker of a job: one tick at a time; ``again`` asks it for one more."""
-
-    __slots__ = ("again", "running")
-
-    def __init__(self) -> None:
-        self.running = threading.Lock()
-        self.again = False
-
-
-class _Outage:
-    """One line when the database stops answering, one when it is back:
-    the ticks in between are skipped without a word each."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._since: float | None = None
-
-    def down(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._since is not None:
-                return
-            self._since = time.monotonic()
-        log.warning(
-            "pgjobs: the database is unreachable (%s); the jobs wait for it, trying again"
-            " within seconds",
-            why_unavailable(exc),
-        )
-        log.debug("pgjobs: the error", exc_info=exc)
-
-    def up(self) -> None:
-        if self._since is None:
-            return
-        with self._lock:
-            since, self._since = self._since, None
-        if since is not None:
-            log.warning(
-                "pgjobs: the database answers again, after %.1f s", time.monotonic() - since
-            )
-
-
-class Lifespan:
-    """An async context manager that starts a :class:`Scheduler` and shuts
-    it down; also callable with an app, as FastAPI's ``lifespan=`` wants.
-
-    It yields ``{"pgjobs": scheduler}``: Starlette puts that in the lifespan
-    state, so request handlers find the scheduler as ``request.state.pgjobs``.
-    """
-
-    def __init__(
-        self, target: Scheduler | Config | str | os.PathLike[str] | None, options: dict[str, Any]
-    ) -> None:
-        self._target = target
-        self._options = options
-        self.scheduler: Scheduler | None = None
-
-    def __call__(self, app: object) -> Lifespan:
-        return self
-
-    async def __aenter__(self) -> dict[str, Scheduler]:
-        if isinstance(self._target, Scheduler):
-            scheduler = self._target
-        else:
-            scheduler = await asyncio.to_thread(
-                Scheduler.from_config, self._target, **self._options
-            )
-        await scheduler.__aenter__()
-        self.scheduler = scheduler
-        return {"pgjobs": scheduler}
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        scheduler, self.scheduler = self.scheduler, None
-        if scheduler is not None:
-            await scheduler.__aexit__(exc_type, exc, tb)
-
-
-def lifespan(
-    scheduler_or_config: Scheduler | Config | str | os.PathLike[str] | None = None, **options: Any
-) -> Lifespan:
-    """A FastAPI/Starlette lifespan that runs pgjobs' scheduler with the app::
-
-        app = FastAPI(lifespan=pgjobs.lifespan("pgjobs.toml"))
-        # or: async with pgjobs.lifespan(scheduler): ...
-
-    ``scheduler_or_config``: a :class:`Scheduler`, or what
-    :meth:`Scheduler.from_config` takes (``options`` go to it). Installs no
-    signal handler; shutdown waits for the running transaction, off the event loop.
-    """
-    return Lifespan(scheduler_or_config, options)
-
-
-__all__ = ["Lifespan", "Scheduler", "lifespan"]
+__all__ = ["Scheduler"]

@@ -7,12 +7,12 @@
 
 Layers, top to bottom (``docs/DESIGN.md`` draws them)::
 
-    face         cli, progress, scheduler, api, testing, demo, web, snapshot, metrics, tracing, serve, operate, __init__
+    face         cli, progress, scheduler, lifecycle, firing, api, testing, demo, web, snapshot, metrics, tracing, serve, operate, __init__
     definitions  checks, registry, config, hookspecs, preflight
-    protocol     runner, records, drift
+    protocol     runner, steps, records, drift
     bodies       recompute, worker
     writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, heartbeat
-    model        jobs, results, errors, durations, backoff, logs
+    model        jobs, cron, results, errors, durations, backoff, logs
     base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
 
 A module not listed is refused: put it on a floor. Exit 1 with what is
@@ -36,6 +36,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "cli",
             "progress",
             "scheduler",
+            "lifecycle",
+            "firing",
             "api",
             "testing",
             "demo",
@@ -48,7 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
-    ("protocol", {"runner", "records", "drift"}),
+    ("protocol", {"runner", "steps", "records", "drift"}),
     ("bodies", {"recompute", "worker"}),
     (
         "writers",
@@ -67,7 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "heartbeat",
         },
     ),
-    ("model", {"jobs", "results", "errors", "durations", "backoff", "logs"}),
+    ("model", {"jobs", "cron", "results", "errors", "durations", "backoff", "logs"}),
     ("base", {"_pg", "deadline"}),
 ]
 

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from pgjobs.demo import DEADLOCK, FK_VIOLATION, DemoOptions, format_report, main, run_demo
-from pgjobs.demo.lag import LagTally, Snapshot
+from pgjobs.demo.lag import LagTally, XactSnapshot
 from pgjobs.demo.report import fmt_s
 
 SMALL = {"exams": 2000, "students": 5, "compute_seconds": 0.5, "recompute_every": 1.5}
@@ -153,7 +153,7 @@ def test_main_prints_the_summary_and_cleans_up(
 def test_queue_lag_counts_from_the_first_enqueue_a_processing_saw() -> None:
     # Transactions 100..102 committed before the worker's snapshot; 103 was
     # still open then (in progress), 105 began after it (>= xmax).
-    snapshot = Snapshot.parse("103:105:103")
+    snapshot = XactSnapshot.parse("103:105:103")
     assert [snapshot.sees(x) for x in (100, 102, 103, 104, 105)] == [True, True, False, True, False]
     tally = LagTally()
     tally.enqueued(7, 100, at=1.0)  # enqueued twice before it was processed
@@ -162,7 +162,7 @@ def test_queue_lag_counts_from_the_first_enqueue_a_processing_saw() -> None:
     tally.enqueued(8, 103, at=2.5)  # open at the snapshot, committed later
     tally.enqueued(9, 101, at=1.5)  # its exam was deleted before processing
     tally.processed([7, 8], snapshot, at=4.0)
-    tally.processed([7], Snapshot.parse("106:106:"), at=6.0)
+    tally.processed([7], XactSnapshot.parse("106:106:"), at=6.0)
     figures = tally.figures(live={7, 8})
     # 7: 4.0 - 1.0 from its first enqueue, then 6.0 - 3.5 for the later one.
     assert sorted(figures.lags) == [2.5, 3.0]

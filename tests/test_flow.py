@@ -236,9 +236,9 @@ def variant(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
         monkeypatch.setattr(flow, "exclude", exclude)
     elif name == "no start lock":
 
-        def start(cls: Any, conn: Any, job: Any, ctx: Any, target: Any) -> Any:
+        def start(cls: Any, conn: Any, job: Any, ctx: Any, target: Any, plan: Any) -> Any:
             (taken,) = pgjobs._pg.send(conn, ("select pg_current_snapshot()::text", None))
-            return cls(conn, job, ctx, target, str(taken.scalar()))
+            return cls(conn, job, ctx, target, plan, str(taken.scalar()))
 
         monkeypatch.setattr(flow, "start", classmethod(start))
     else:

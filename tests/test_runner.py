@@ -658,3 +658,113 @@ def test_a_commit_that_fails_is_a_failed_run_with_nothing_written(items):
         assert conn.execute(text("select count(*) from owned")).scalar_one() == 0
     assert runs(items, "orphan") == [("failed", 0)]
     assert result.next_attempt_at is not None
+
+
+def _held_advisory_locks(conn) -> list[str]:
+    """The advisory locks this connection's session holds (their modes)."""
+    rows = conn.execute(
+        text(
+            "select mode from pg_locks where locktype = 'advisory' and pid = pg_backend_pid()"
+            " and granted"
+        )
+    )
+    return [r.mode for r in rows]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _OwnKind(pgjobs.Job):
+    """A job kind of a user's own that decides in its body: which locks, chunks,
+    when next due. ``seen`` collects what its body saw, run by run."""
+
+    kind = "own"
+    taken: pgjobs.Locks = pgjobs.Locks.WRITE
+    chunks: bool = False
+    due_in: timedelta | None = None
+    seen: list = dataclasses.field(default_factory=list)
+
+    def locks(self, ctx):
+        return self.taken
+
+    def chunked(self, ctx):
+        return self.chunks
+
+    def next_due(self, started, scheduled):
+        if self.due_in is None:
+            return pgjobs.Job.next_due(self, started, scheduled)
+        return started + self.due_in
+
+    def execute(self, conn, ctx):
+        self.seen.append((len(_held_advisory_locks(conn)), ctx.checkpoint is not None))
+        return pgjobs.results.Execution()
+
+
+def test_a_kind_of_its_own_gets_todays_behaviour_by_default(items):
+    """The defaults of the hooks: the write lock alone, no chunks, due one
+    interval after the run started."""
+    clock = FakeClock()
+    job = _OwnKind(name="own", every="10m")
+    with pgjobs.Runner(items, clock=clock) as runner:
+        assert runner.tick(job).outcome is pgjobs.Outcome.RAN
+        assert job.seen == [(1, False)]
+        clock.advance(minutes=9)
+        assert runner.tick(job).outcome is pgjobs.Outcome.NOT_DUE
+        clock.advance(minutes=1)
+        assert runner.tick(job).outcome is pgjobs.Outcome.RAN
+
+
+def test_a_kind_of_its_own_decides_its_locks_chunks_and_next_due(items):
+    """The runner asks the body: two locks (recompute and write), a
+    checkpoint to commit part-way, next due in an hour for a 1 s job."""
+    clock = FakeClock()
+    job = _OwnKind(
+        name="mine",
+        every="1s",
+        taken=pgjobs.Locks.RECOMPUTE_AND_WRITE,
+        chunks=True,
+        due_in=timedelta(hours=1),
+    )
+    with pgjobs.Runner(items, clock=clock) as runner:
+        result = runner.tick(job)
+        assert result.outcome is pgjobs.Outcome.RAN
+        assert job.seen == [(2, True)]
+        assert result.next_attempt_at == T0 + timedelta(hours=1)
+        clock.advance(minutes=59)
+        assert runner.tick(job).outcome is pgjobs.Outcome.NOT_DUE
+        # and the recompute lock alone is the group's recompute lock: a
+        # holder of the write lock does not keep the tick out
+        alone = dataclasses.replace(job, name="alone", taken=pgjobs.Locks.RECOMPUTE, seen=[])
+        with items.connect() as holder:
+            holder.execute(
+                text("select pg_advisory_lock(hashtextextended(:n, 0))"),
+                {"n": lock_name("pgjobs", "alone")},
+            )
+            try:
+                assert runner.tick(alone).outcome is pgjobs.Outcome.RAN
+            finally:
+                holder.execute(text("select pg_advisory_unlock_all()"))
+        assert alone.seen == [(1, True)]
+
+
+def test_one_error_text_for_the_run_log_the_items_and_the_checks(items):
+    """`_pg.error_text` renders what the driver said, under SQLAlchemy's
+    wrapper (which repeats the SQL and adds a link): whole for the run log,
+    with the SQLSTATE for a queue item, one line with it for a check."""
+    from pgjobs._pg import error_text, first_line
+
+    with items.connect() as conn, pytest.raises(Exception) as caught:
+        conn.execute(text("select * from no_such_table"))
+    exc = caught.value
+    whole = error_text(exc)
+    assert whole.startswith('UndefinedTable: relation "no_such_table" does not exist')
+    assert "sqlalche.me" not in whole and "[SQL:" not in whole
+    assert error_text(exc, sqlstate=True).endswith(" (SQLSTATE 42P01)")
+    line = error_text(exc, first=True, sqlstate=True)
+    assert line == 'relation "no_such_table" does not exist (SQLSTATE 42P01)'
+    assert first_line(exc) == 'relation "no_such_table" does not exist'
+    assert len(error_text(exc, limit=20)) == 20 and error_text(exc, limit=20).endswith("...")
+    # a failed tick stores the same text
+    job = pgjobs.TaskJob(name="bad", run=lambda c: c.execute(text("select * from no_such_table")))
+    with pgjobs.Runner(items) as runner:
+        result = runner.tick(job)
+    assert result.outcome is pgjobs.Outcome.FAILED
+    assert result.error == whole

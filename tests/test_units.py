@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 
 import pgjobs
+from pgjobs.cron import check_cron
 from pgjobs.durations import (
     MAX_DURATION,
     MAX_TIMEOUT,
@@ -16,7 +17,6 @@ from pgjobs.durations import (
     parse_duration,
     parse_timeout,
 )
-from pgjobs.jobs import check_cron
 
 
 @pytest.mark.parametrize(

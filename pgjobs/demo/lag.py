@@ -28,7 +28,7 @@ def current_xid(conn: Connection) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class XactSnapshot:
     """Which transactions a statement saw committed (``pg_current_snapshot()``)."""
 
     xmin: int
@@ -36,7 +36,7 @@ class Snapshot:
     in_progress: frozenset[int]
 
     @classmethod
-    def parse(cls, value: str) -> Snapshot:
+    def parse(cls, value: str) -> XactSnapshot:
         """``xmin:xmax:xip,...`` as PostgreSQL prints a ``pg_snapshot``."""
         xmin, xmax, xip = value.split(":")
         return cls(int(xmin), int(xmax), frozenset(int(x) for x in xip.split(",") if x))
@@ -46,9 +46,11 @@ class Snapshot:
         return xid < self.xmin or (xid < self.xmax and xid not in self.in_progress)
 
 
-def current_snapshot(conn: Connection) -> Snapshot:
+def current_snapshot(conn: Connection) -> XactSnapshot:
     """The snapshot of a statement in ``conn``'s transaction: what it saw committed."""
-    return Snapshot.parse(str(conn.execute(text("select pg_current_snapshot()::text")).scalar()))
+    return XactSnapshot.parse(
+        str(conn.execute(text("select pg_current_snapshot()::text")).scalar())
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,14 +67,14 @@ class LagTally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._enqueued: dict[int, list[tuple[int, float]]] = {}
-        self._processed: dict[int, list[tuple[float, Snapshot]]] = {}
+        self._processed: dict[int, list[tuple[float, XactSnapshot]]] = {}
 
     def enqueued(self, key: int, xid: int, at: float) -> None:
         """``key``'s enqueue by transaction ``xid`` committed; its commit returned ``at``."""
         with self._lock:
             self._enqueued.setdefault(key, []).append((xid, at))
 
-    def processed(self, keys: Iterable[int], snapshot: Snapshot, at: float) -> None:
+    def processed(self, keys: Iterable[int], snapshot: XactSnapshot, at: float) -> None:
         """A worker transaction that saw ``snapshot`` processed ``keys``; its
         commit returned ``at``."""
         with self._lock:

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 import pgjobs
 
 from .design import Design, Place
-from .lag import Snapshot, current_snapshot
+from .lag import XactSnapshot, current_snapshot
 from .report import Scripted
 from .scenario import COMPUTE_SQL, GROUP, RECOMPUTE, UPSERT_STATUS, WORKER, DemoOptions
 from .users import UserDelete
@@ -78,10 +78,10 @@ class PgJobsDesign(Design):
         conn.execute(text(UPSERT_STATUS), {"ids": [k[0] for k in keys]})
         self._noted().append((datetime.now(UTC), [int(k[0]) for k in keys], current_snapshot(conn)))
 
-    def _noted(self) -> list[tuple[datetime, list[int], Snapshot]]:
+    def _noted(self) -> list[tuple[datetime, list[int], XactSnapshot]]:
         if not hasattr(self._local, "noted"):
             self._local.noted = []
-        noted: list[tuple[datetime, list[int], Snapshot]] = self._local.noted
+        noted: list[tuple[datetime, list[int], XactSnapshot]] = self._local.noted
         return noted
 
     def enqueue(self, conn: Connection, exam: int) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 
 import pgjobs
+from pgjobs._pg import sqlstate_of
 
 DEADLOCK = "40P01"
 FK_VIOLATION = "23503"
@@ -139,16 +140,7 @@ class DemoOptions:
 def sqlstate(exc: BaseException) -> str:
     """The SQLSTATE of the database error in ``exc``'s chain, else the
     exception's class name (what the tallies count failures by)."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        for candidate in (cause, getattr(cause, "orig", None)):
-            state = getattr(candidate, "sqlstate", None)
-            if isinstance(state, str) and state:
-                return state
-        cause = cause.__cause__ or cause.__context__
-    return type(exc).__name__
+    return sqlstate_of(exc) or type(exc).__name__
 
 
 # -- databases and schemas -------------------------------------------------------

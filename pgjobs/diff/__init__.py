@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -38,7 +38,7 @@ from . import plan as planning
 from .difference import Chunks, build_difference
 from .parents import create_parent_tables, index_bad, lock_parents
 from .plan import Plan, Scope, chunk_filter, keyed_plans, run
-from .rows import write_rows
+from .rows import Written, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,8 @@ def write_diff(
 class _Totals:
     """What the chunks written so far did."""
 
-    inserted: int = 0
-    updated: int = 0
-    deleted: int = 0
-    skipped: int = 0
-    deferred: int = 0
-    deferred_deletes: int = 0
+    #: rows written, skipped and deferred (``Written.__add__``, ``DiffStats.__add__``)
+    written: Written = field(default_factory=Written)
     busy: int = 0
     dead: int = 0
     waits: int = 0
@@ -206,12 +202,7 @@ class DiffWriter:
         held = time.perf_counter() - locked.since
         totals.lock_seconds += held
         totals.max_chunk = max(totals.max_chunk, held)
-        totals.inserted += written.inserted
-        totals.updated += written.updated
-        totals.deleted += written.deleted
-        totals.skipped += written.skipped
-        totals.deferred += written.deferred
-        totals.deferred_deletes += written.deferred_deletes
+        totals.written += written
         totals.busy += locked.busy
         totals.dead += locked.dead
         totals.waits += locked.waits
@@ -280,15 +271,16 @@ class DiffWriter:
                 sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(plan.temps)),
             )
         flush(self.conn)
+        done, stats = totals.written, totals.written.stats
         unchanged = (
             plan.staged.rows
-            - totals.inserted
-            - totals.updated
-            - totals.skipped
-            - totals.deferred
+            - stats.inserted
+            - stats.updated
+            - stats.skipped_missing_parent
+            - done.deferred
             - totals.excluded_staged
         )
-        deferred = totals.deferred + totals.deferred_deletes
+        deferred = done.deferred + done.deferred_deletes
         if deferred:
             log.info(
                 "pgjobs: %s: %d row(s) deferred to the next run (%d parent(s) busy)",
@@ -298,13 +290,7 @@ class DiffWriter:
             )
         counts = self.counts
         return WriteResult(
-            stats=DiffStats(
-                inserted=totals.inserted,
-                updated=totals.updated,
-                deleted=totals.deleted,
-                skipped_missing_parent=totals.skipped,
-                unchanged=unchanged,
-            ),
+            stats=replace(stats, unchanged=unchanged),
             write_seconds=time.perf_counter() - self.started,
             lock_seconds=totals.lock_seconds,
             diff_seconds=self.diff_seconds,

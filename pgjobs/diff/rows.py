@@ -9,23 +9,30 @@ the rows it points at.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
+from ..results import DiffStats
 from .parents import Locked
 from .plan import Plan, chunk_filter, equal, idents, run, run_all
 
 
 @dataclass(kw_only=True)
 class Written:
-    inserted: int = 0
-    updated: int = 0
-    deleted: int = 0
-    skipped: int = 0
+    """What one pass (or, added up, a whole diff) wrote, skipped and deferred."""
+
+    stats: DiffStats = field(default_factory=DiffStats)
     deferred: int = 0  #: staged rows deferred
     deferred_deletes: int = 0
+
+    def __add__(self, other: Written) -> Written:
+        return Written(
+            stats=self.stats + other.stats,
+            deferred=self.deferred + other.deferred,
+            deferred_deletes=self.deferred_deletes + other.deferred_deletes,
+        )
 
 
 def write_rows(
@@ -39,7 +46,7 @@ def write_rows(
     network. Only an update that finds fewer rows than planned takes another
     (see below)."""
     out = Written(
-        skipped=locked.skipped,
+        stats=DiffStats(skipped_missing_parent=locked.skipped),
         deferred=locked.deferred,
         deferred_deletes=locked.deferred_deletes,
     )
@@ -59,20 +66,17 @@ def write_rows(
     if not steps:
         return out
     results = run_all(conn, [statement for _, statement in steps if statement is not None])
+    rows = {"d": 0, "u": 0, "i": 0}
     for (op, _), result in zip(steps, results, strict=True):
-        if op == "d":
-            out.deleted += result.rowcount
-        elif op == "u":
-            out.updated += result.rowcount
-        else:
-            out.inserted += result.rowcount
-    if plan.values and out.updated < expected_updates:
+        rows[op] += result.rowcount
+    if plan.values and rows["u"] < expected_updates:
         # Fewer rows than planned: some already held the new values, or
         # were deleted since the difference was taken (their old parent
         # was deleted, cascading). The latter are inserted: the target
         # must hold every new row whose parents are alive.
-        out.inserted += run(conn, writes.insert_vanished()).rowcount
-    return out
+        rows["i"] += run(conn, writes.insert_vanished()).rowcount
+    stats = replace(out.stats, inserted=rows["i"], updated=rows["u"], deleted=rows["d"])
+    return replace(out, stats=stats)
 
 
 class _Writes:

@@ -20,6 +20,7 @@ why each step is as it is: ``docs/DESIGN.md``, "The queue and its worker".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from psycopg import sql
@@ -27,7 +28,7 @@ from sqlalchemy.engine import Connection
 
 from .._pg import driver, later
 from ..flow import record_query
-from ..jobs import QueueJob, RunContext
+from ..jobs import Locks, QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
 from ..target import Prefetched, prefetch_fingerprint
@@ -87,10 +88,22 @@ class QueueBody:
         later(conn, *record_query(job, ctx.namespace, ctx.schema))
         return fingerprint
 
+    def locks(self, job: QueueJob, ctx: RunContext) -> Locks:
+        # with flow, the group's write lock shared with the other workers
+        return Locks.SHARED_WRITE if job.flow else Locks.WRITE
+
+    def chunked(self, job: QueueJob, ctx: RunContext) -> bool:
+        return False
+
     def execute(
         self, conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None
     ) -> Execution:
         return run_queue(conn, job, ctx, prefetched)
+
+    def next_due(self, job: QueueJob, started: datetime, scheduled: datetime | None) -> datetime:
+        # due whenever it has work: its interval is how often it looks when
+        # nothing wakes it, not a pace
+        return started
 
 
 BODY = QueueBody()
