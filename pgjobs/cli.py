@@ -639,25 +639,19 @@ def _status(
     that are no longer registered but still have a state; and the schedulers'
     heartbeats."""
     from .database import resolve_engine
-    from .heartbeat import read_schedulers
-    from .operate import paused_of
-    from .queue import queue_stats
-    from .store import Store
+    from .operate import last_check_of, paused_of
+    from .readmodel import read_status
 
     engine, owned = resolve_engine(url)
-    queues: dict[str, Any] | None = None
-    schedulers: list[dict[str, Any]] = []
+    names = [e.job.name for e in registry.entries()]
     try:
         with engine.connect() as conn, conn.begin():
             # Reading must not install pgjobs' tables: status writes nothing.
-            read = Store(config.schema).status(conn)
-            if read.installed:
-                queues = {q.job: _jsonable(q) for q in queue_stats(conn, schema=config.schema)}
-                schedulers = read_schedulers(conn, config.schema)
+            read = read_status(conn, config.schema, jobs=names)
     finally:
         if owned:
             engine.dispose()
-    names = [e.job.name for e in registry.entries()]
+    queues = {q.job: _jsonable(q) for q in read.queues} if read.installed else None
     names += sorted(set(read.states) - set(names))  # no longer registered, still with state
     rows = []
     for name in names:
@@ -682,9 +676,10 @@ def _status(
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
                 "paused": paused_of(state),
+                "last_check": last_check_of(read.last_checked.get(name)),
             }
         )
-    return rows, read.now, schedulers
+    return rows, read.now, read.schedulers
 
 
 @cli.command()
@@ -695,6 +690,8 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
 
     Exit 1 while a job is failing (backing off), for health checks.
     """
+    from .operate import check_line
+
     with _errors():
         config, registry, url = _load(config_path, database)
         rows, now, schedulers = _status(registry, config, url)
@@ -751,6 +748,8 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                     why = f": {paused['reason']}" if paused["reason"] else ""
                     since = f"{paused['since']:%Y-%m-%d %H:%M:%S %Z}"
                     click.echo(f"\n{r['job']}: paused since {since} by {paused['by']}{why}")
+                if r["last_check"]:
+                    click.echo(f"\n{r['job']}: {check_line(r['last_check'], now)}")
             if schedulers:  # their heartbeats (pgjobs.heartbeat)
                 from .operate import schedulers_table
 
