@@ -162,7 +162,8 @@ def last_check_of(run: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def check_line(check: Mapping[str, Any], now: datetime) -> str:
     """What ``pgjobs status`` says of a job's last check."""
     at = check["at"]
-    when = "" if at is None else f" {format_duration(max(now - at, timedelta(0)))} ago"
+    age = timedelta(seconds=int(max(now - at, timedelta(0)).total_seconds())) if at else None
+    when = "" if age is None else f" {format_duration(age)} ago"
     if check["error"]:
         return f"last check failed{when}: {check['error']}"
     drift = check["drift"]
