@@ -399,36 +399,7 @@ class _DatabaseCollector(Collector):
             return
         yield self._schedulers_family()
         by_job = {r.job: r for r in rows}
-        # jobs of the built-in queue: every known one (an empty queue is 0),
-        # and any other job the table holds items for
-        queue_jobs = [
-            name
-            for name, job in source.jobs.items()
-            if job.kind == "queue" and getattr(job, "claim", None) is None
-        ]
-        queue_jobs += sorted(r.job for r in rows if r.queued and r.job not in source.jobs)
-        families = _gauges(
-            [
-                ("pgjobs_queue_depth", "Live items in the job's queue (due or waiting to retry)."),
-                ("pgjobs_queue_due", "Live items that may be claimed now."),
-                ("pgjobs_queue_retrying", "Live items that failed and wait for another attempt."),
-                ("pgjobs_queue_dead", "Parked items (failed max_attempts times)."),
-                (
-                    "pgjobs_queue_oldest_due_age_seconds",
-                    "Age of the oldest due item since its enqueue (0 when none is due).",
-                ),
-            ]
-        )
-        for name in queue_jobs:
-            row = by_job.get(name)
-            values = (
-                (0, 0, 0, 0, 0.0)
-                if row is None or not row.queued
-                else (row.depth, row.due, row.retrying, row.dead, row.oldest_due)
-            )
-            for family, value in zip(families, values, strict=True):
-                family.add_metric([name], value)
-        yield from families
+        yield from _queue_families(source, rows)
         states = _gauges(
             [
                 ("pgjobs_job_failures", "Consecutive failures of the job (0 after a success)."),
@@ -465,6 +436,41 @@ class _DatabaseCollector(Collector):
                 states[2].add_metric([name], row.last_success)
         yield from states
         yield from _check_gauges(self.checks)
+
+
+def _queue_families(source: Source, rows: Sequence[_Row]) -> list[GaugeMetricFamily]:
+    """The queue gauges, per job of the built-in queue."""
+    by_job = {r.job: r for r in rows}
+    # jobs of the built-in queue: every known one (an empty queue is 0),
+    # and any other job the table holds items for
+    queue_jobs = [
+        name
+        for name, job in source.jobs.items()
+        if job.kind == "queue" and getattr(job, "claim", None) is None
+    ]
+    queue_jobs += sorted(r.job for r in rows if r.queued and r.job not in source.jobs)
+    families = _gauges(
+        [
+            ("pgjobs_queue_depth", "Live items in the job's queue (due or waiting to retry)."),
+            ("pgjobs_queue_due", "Live items that may be claimed now."),
+            ("pgjobs_queue_retrying", "Live items that failed and wait for another attempt."),
+            ("pgjobs_queue_dead", "Parked items (failed max_attempts times)."),
+            (
+                "pgjobs_queue_oldest_due_age_seconds",
+                "Age of the oldest due item since its enqueue (0 when none is due).",
+            ),
+        ]
+    )
+    for name in queue_jobs:
+        row = by_job.get(name)
+        values = (
+            (0, 0, 0, 0, 0.0)
+            if row is None or not row.queued
+            else (row.depth, row.due, row.retrying, row.dead, row.oldest_due)
+        )
+        for family, value in zip(families, values, strict=True):
+            family.add_metric([name], value)
+    return families
 
 
 def _epoch(when: datetime | None) -> float | None:
