@@ -17,6 +17,8 @@ nothing and installing nothing:
 * the schedulers' heartbeats (:func:`pgjobs.heartbeat.read_schedulers`);
 * optionally, the latest runs and dead items (the page's lists).
 
+Two round trips (:func:`pgjobs._pg.send`): the settings, the clock and
+whether pgjobs is installed; then every statement at once, in a pipeline.
 Each job's latest run is one probe of the ``(job, started_at)`` index per
 job: a ``DISTINCT ON`` over the whole run log sorts all of it (0.45 s at
 100k runs).
@@ -24,7 +26,7 @@ job: a ``DISTINCT ON`` over the whole run log sorts all of it (0.45 s at
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,8 +34,8 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import driver, execute, set_local
-from .heartbeat import read_schedulers
+from ._pg import Result, driver, send, set_local
+from .heartbeat import schedulers_query
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,13 +82,13 @@ class StatusRead:
     schedulers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _dicts(cursor: Any) -> list[dict[str, Any]]:
-    names = [d.name for d in cursor.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cursor]
+def _dicts(result: Result) -> list[dict[str, Any]]:
+    names = result.columns or ()
+    return [dict(zip(names, row, strict=True)) for row in result.all()]
 
 
-def _by_job(cursor: Any) -> dict[str, dict[str, Any]]:
-    return {r["job"]: r for r in _dicts(cursor)}
+def _by_job(result: Result) -> dict[str, dict[str, Any]]:
+    return {r["job"]: r for r in _dicts(result)}
 
 
 def queue_stats_query(schema: str) -> sql.Composed:
@@ -136,68 +138,63 @@ def _latest(schema: str, only: str) -> sql.Composed:
     )
 
 
-def _per_job(conn: Connection, schema: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The per-job figures of :class:`StatusRead`, as its keyword arguments."""
+def _per_job(schema: str) -> dict[str, sql.Composed]:
+    """The statements of the per-job figures of :class:`StatusRead`, by field."""
     state, run = sql.Identifier(schema, "job_state"), sql.Identifier(schema, "run")
     only = sql.SQL("where (%(job)s::text is null or s.job = %(job)s)")
-    since = sql.SQL(
-        "select r.job, min(r.started_at) as since from {run} r join {state} s on s.job = r.job"
-        " {only} and s.failures > 0 and r.outcome = 'failed'"
-        " and r.started_at > coalesce(s.last_success_at, '-infinity') group by r.job"
-    ).format(run=run, state=state, only=only)
-    # per job, a probe of the (job, started_at) index from its last success
-    interrupted = sql.SQL(
-        "select s.job, (select count(*) from {run} as r where r.job = s.job"
-        " and r.started_at > coalesce(s.last_success_at, '-infinity')"
-        " and r.outcome = 'interrupted') from {state} as s {only}"
-    ).format(state=state, run=run, only=only)
-
-    def latest(only: str) -> dict[str, dict[str, Any]]:
-        return _by_job(execute(conn, _latest(schema, only), params))
-
     return {
-        "states": _by_job(
-            execute(conn, sql.SQL("select * from {} s {}").format(state, only), params)
-        ),
-        "last": latest(""),
-        "last_ran": latest("and r.outcome = 'ran'"),
-        "last_checked": latest("and r.outcome = 'checked'"),
-        "failing_since": {job: at for job, at in execute(conn, since, params)},
-        "interrupted": {job: n for job, n in execute(conn, interrupted, params) if n},
+        "states": sql.SQL("select * from {} s {}").format(state, only),
+        "last": _latest(schema, ""),
+        "last_ran": _latest(schema, "and r.outcome = 'ran'"),
+        "last_checked": _latest(schema, "and r.outcome = 'checked'"),
+        "failing_since": sql.SQL(
+            "select r.job, min(r.started_at) as since from {run} r join {state} s"
+            " on s.job = r.job {only} and s.failures > 0 and r.outcome = 'failed'"
+            " and r.started_at > coalesce(s.last_success_at, '-infinity') group by r.job"
+        ).format(run=run, state=state, only=only),
+        # per job, a probe of the (job, started_at) index from its last success
+        "interrupted": sql.SQL(
+            "select s.job, (select count(*) from {run} as r where r.job = s.job"
+            " and r.started_at > coalesce(s.last_success_at, '-infinity')"
+            " and r.outcome = 'interrupted') from {state} as s {only}"
+        ).format(state=state, run=run, only=only),
+        "queues": queue_stats_query(schema),
     }
 
 
-def _lists(conn: Connection, schema: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The latest dead items and runs, as many as ``params`` asks for."""
-    queue, run = sql.Identifier(schema, "queue"), sql.Identifier(schema, "run")
-    out: dict[str, Any] = {}
-    if params["dead"]:
-        out["dead"] = _dicts(
-            execute(
-                conn,
-                sql.SQL(
-                    "select job, key::text as key, attempts, dead_at, last_error from {}"
-                    " where dead_at is not null and (%(job)s::text is null or job = %(job)s)"
-                    " order by dead_at desc limit %(dead)s"
-                ).format(queue),
-                params,
-            )
-        )
-    if params["runs"]:
-        out["runs"] = _dicts(
-            execute(
-                conn,
-                sql.SQL(
-                    "select id, job, outcome, started_at, finished_at, compute_ms, write_ms,"
-                    " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged,"
-                    " items, failed_items, error, sqlstate, worker, detail from {}"
-                    " where %(job)s::text is null or job = %(job)s"
-                    " order by started_at desc, id desc limit %(runs)s"
-                ).format(run),
-                params,
-            )
-        )
+def _lists(schema: str, *, dead: int, runs: int) -> dict[str, sql.Composed]:
+    """The statements of the latest dead items and runs, when asked for."""
+    out = {}
+    if dead:
+        out["dead"] = sql.SQL(
+            "select job, key::text as key, attempts, dead_at, last_error from {}"
+            " where dead_at is not null and (%(job)s::text is null or job = %(job)s)"
+            " order by dead_at desc limit %(dead)s"
+        ).format(sql.Identifier(schema, "queue"))
+    if runs:
+        out["runs"] = sql.SQL(
+            "select id, job, outcome, started_at, finished_at, compute_ms, write_ms,"
+            " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged,"
+            " items, failed_items, error, sqlstate, worker, detail from {}"
+            " where %(job)s::text is null or job = %(job)s"
+            " order by started_at desc, id desc limit %(runs)s"
+        ).format(sql.Identifier(schema, "run"))
     return out
+
+
+#: how each statement's result becomes its field of :class:`StatusRead`
+_FIELDS: dict[str, Callable[[Result], Any]] = {
+    "states": _by_job,
+    "last": _by_job,
+    "last_ran": _by_job,
+    "last_checked": _by_job,
+    "failing_since": lambda r: {job: at for job, at in r.all()},
+    "interrupted": lambda r: {job: n for job, n in r.all() if n},
+    "queues": lambda r: queue_stats_of(r.all()),
+    "dead": _dicts,
+    "runs": _dicts,
+    "schedulers": _dicts,
+}
 
 
 def read_status(
@@ -221,23 +218,36 @@ def read_status(
     settings = {"transaction_read_only": "on"}
     if statement_timeout is not None:
         settings["statement_timeout"] = f"{max(1, int(statement_timeout * 1000))}ms"
-    execute(conn, *set_local(settings))
-    state = sql.Identifier(schema, "job_state").as_string(driver(conn))
-    row = execute(conn, "select now(), to_regclass(%s) is not null", (state,)).fetchone()
+    tables = [sql.Identifier(schema, t).as_string(driver(conn)) for t in ("job_state", "scheduler")]
+    # round trip 1: the settings, the clock, and what is installed
+    _, clock = send(
+        conn,
+        set_local(settings),
+        ("select now(), to_regclass(%s) is not null, to_regclass(%s) is not null", tables),
+    )
+    row = clock.one()
     assert row is not None
-    now, installed = row
+    now, installed, beating = row
     if not installed:  # reading installs nothing
         return StatusRead(now=now, installed=False)
+    # round trip 2: everything else
     names = [job] if job is not None else list(dict.fromkeys(jobs))
     params = {"job": job, "names": names, "runs": runs, "dead": dead}
-    return StatusRead(
-        now=now,
-        installed=True,
-        **_per_job(conn, schema, params),
-        queues=queue_stats_of(execute(conn, queue_stats_query(schema), params).fetchall()),
-        **_lists(conn, schema, params),
-        schedulers=read_schedulers(conn, schema) if job is None else [],
-    )
+    statements: list[tuple[str, sql.Composed, Any]] = [
+        (name, statement, params)
+        for name, statement in {**_per_job(schema), **_lists(schema, dead=dead, runs=runs)}.items()
+    ]
+    if beating and job is None:  # an older schema has no heartbeats
+        statements.append(("schedulers", *schedulers_query(schema)))
+    results = send(conn, *((statement, p) for _, statement, p in statements))
+    fields = {name: _FIELDS[name](r) for (name, _, _), r in zip(statements, results, strict=True)}
+    return StatusRead(now=now, installed=True, **fields)
 
 
-__all__ = ["QueueStats", "StatusRead", "queue_stats_of", "queue_stats_query", "read_status"]
+__all__ = [
+    "QueueStats",
+    "StatusRead",
+    "queue_stats_of",
+    "queue_stats_query",
+    "read_status",
+]
