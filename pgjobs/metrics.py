@@ -358,6 +358,7 @@ class _DatabaseCollector(Collector):
                         conn,
                         source.schema,
                         jobs=list(source.jobs),
+                        history=False,  # the gauges show no run but the last check
                         statement_timeout=self.statement_timeout,
                     )
                 if not found.installed:
