@@ -126,6 +126,19 @@ class Heartbeat:
             self._failing = False
 
 
+def schedulers_query(schema: str) -> tuple[sql.Composed, tuple[int]]:
+    """The statement of :func:`read_schedulers` (the table must exist)."""
+    return (
+        sql.SQL(
+            "select id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen,"
+            " now() - last_seen <= make_interval(secs => %s * heartbeat_ms / 1000.0) as live,"
+            " extract(epoch from now() - last_seen)::float8 as quiet_seconds"
+            " from {} order by started_at desc, id"
+        ).format(sql.Identifier(schema, "scheduler")),
+        (QUIET_BEATS,),
+    )
+
+
 def read_schedulers(conn: Connection, schema: str) -> list[dict[str, Any]]:
     """The schedulers' rows, newest first, each with ``live`` (seen within
     :data:`QUIET_BEATS` of its heartbeats) and ``quiet_seconds`` (since its
@@ -136,18 +149,16 @@ def read_schedulers(conn: Connection, schema: str) -> list[dict[str, Any]]:
     ).fetchone()
     if not (found and found[0]):
         return []
-    cursor = execute(
-        conn,
-        sql.SQL(
-            "select id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen,"
-            " now() - last_seen <= make_interval(secs => %s * heartbeat_ms / 1000.0) as live,"
-            " extract(epoch from now() - last_seen)::float8 as quiet_seconds"
-            " from {} order by started_at desc, id"
-        ).format(table),
-        (QUIET_BEATS,),
-    )
+    cursor = execute(conn, *schedulers_query(schema))
     names = [d.name for d in cursor.description or ()]
     return [dict(zip(names, row, strict=True)) for row in cursor]
 
 
-__all__ = ["PRUNE_AFTER", "QUIET_BEATS", "Heartbeat", "read_schedulers", "version"]
+__all__ = [
+    "PRUNE_AFTER",
+    "QUIET_BEATS",
+    "Heartbeat",
+    "read_schedulers",
+    "schedulers_query",
+    "version",
+]

@@ -57,15 +57,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
-from psycopg import sql
-from sqlalchemy.engine import Connection
-
-from ._pg import execute, set_local
 from .drift import workers_of
 from .errors import PgJobsError
-from .heartbeat import read_schedulers
+from .readmodel import StatusRead, read_status
 from .results import Outcome, RunResult
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
 
@@ -345,23 +342,6 @@ class _DatabaseCollector(Collector):
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
 
-    def _query(self, schema: str) -> sql.Composed:
-        return sql.SQL(
-            "with q as (select job, count(*) filter (where dead_at is null) as depth,"
-            " count(*) filter (where dead_at is null and not_before <= now()) as due,"
-            " count(*) filter (where dead_at is null and attempts > 0) as retrying,"
-            " count(*) filter (where dead_at is not null) as dead,"
-            " extract(epoch from now() - min(enqueued_at)"
-            " filter (where dead_at is null and not_before <= now()))::float8 as oldest_due"
-            " from {queue} group by job)"
-            " select coalesce(s.job, q.job), s.failures, s.next_attempt_at > now(),"
-            " extract(epoch from s.last_success_at)::float8, q.job is not null,"
-            " coalesce(q.depth, 0), coalesce(q.due, 0), coalesce(q.retrying, 0),"
-            " coalesce(q.dead, 0), coalesce(q.oldest_due, 0),"
-            " extract(epoch from s.paused_at)::float8"
-            " from {state} s full join q on q.job = s.job order by 1"
-        ).format(queue=sql.Identifier(schema, "queue"), state=sql.Identifier(schema, "job_state"))
-
     def read(self) -> list[_Row] | None:
         """The rows (cached), or ``None`` when the database did not answer."""
         source = self.source
@@ -373,18 +353,20 @@ class _DatabaseCollector(Collector):
                 return self._cached[1]
             rows: list[_Row] | None
             try:
-                settings = {
-                    "transaction_read_only": "on",
-                    "statement_timeout": f"{int(self.statement_timeout * 1000)}ms",
-                }
                 with source.engine.connect() as conn, conn.begin():
-                    execute(conn, *set_local(settings))
-                    found = execute(conn, self._query(source.schema)).fetchall()
-                    self.checks = _last_checks(conn, source)
-                    beats = read_schedulers(conn, source.schema)
-                rows = [_Row(*r) for r in found]
-                live = sum(1 for b in beats if b["live"])
-                self.schedulers = (live, len(beats) - live)
+                    found = read_status(
+                        conn,
+                        source.schema,
+                        jobs=list(source.jobs),
+                        history=False,  # the gauges show no run but the last check
+                        statement_timeout=self.statement_timeout,
+                    )
+                if not found.installed:
+                    raise PgJobsError(f"pgjobs' tables are not installed in {source.schema!r}")
+                rows = _rows(found)
+                self.checks = _last_checks(found, source)
+                live = sum(1 for b in found.schedulers if b["live"])
+                self.schedulers = (live, len(found.schedulers) - live)
             except Exception:
                 log.warning(
                     "pgjobs: metrics: could not read the queue and job states", exc_info=True
@@ -418,36 +400,7 @@ class _DatabaseCollector(Collector):
             return
         yield self._schedulers_family()
         by_job = {r.job: r for r in rows}
-        # jobs of the built-in queue: every known one (an empty queue is 0),
-        # and any other job the table holds items for
-        queue_jobs = [
-            name
-            for name, job in source.jobs.items()
-            if job.kind == "queue" and getattr(job, "claim", None) is None
-        ]
-        queue_jobs += sorted(r.job for r in rows if r.queued and r.job not in source.jobs)
-        families = _gauges(
-            [
-                ("pgjobs_queue_depth", "Live items in the job's queue (due or waiting to retry)."),
-                ("pgjobs_queue_due", "Live items that may be claimed now."),
-                ("pgjobs_queue_retrying", "Live items that failed and wait for another attempt."),
-                ("pgjobs_queue_dead", "Parked items (failed max_attempts times)."),
-                (
-                    "pgjobs_queue_oldest_due_age_seconds",
-                    "Age of the oldest due item since its enqueue (0 when none is due).",
-                ),
-            ]
-        )
-        for name in queue_jobs:
-            row = by_job.get(name)
-            values = (
-                (0, 0, 0, 0, 0.0)
-                if row is None or not row.queued
-                else (row.depth, row.due, row.retrying, row.dead, row.oldest_due)
-            )
-            for family, value in zip(families, values, strict=True):
-                family.add_metric([name], value)
-        yield from families
+        yield from _queue_families(source, rows)
         states = _gauges(
             [
                 ("pgjobs_job_failures", "Consecutive failures of the job (0 after a success)."),
@@ -486,25 +439,86 @@ class _DatabaseCollector(Collector):
         yield from _check_gauges(self.checks)
 
 
+def _queue_families(source: Source, rows: Sequence[_Row]) -> list[GaugeMetricFamily]:
+    """The queue gauges, per job of the built-in queue."""
+    by_job = {r.job: r for r in rows}
+    # jobs of the built-in queue: every known one (an empty queue is 0),
+    # and any other job the table holds items for
+    queue_jobs = [
+        name
+        for name, job in source.jobs.items()
+        if job.kind == "queue" and getattr(job, "claim", None) is None
+    ]
+    queue_jobs += sorted(r.job for r in rows if r.queued and r.job not in source.jobs)
+    families = _gauges(
+        [
+            ("pgjobs_queue_depth", "Live items in the job's queue (due or waiting to retry)."),
+            ("pgjobs_queue_due", "Live items that may be claimed now."),
+            ("pgjobs_queue_retrying", "Live items that failed and wait for another attempt."),
+            ("pgjobs_queue_dead", "Parked items (failed max_attempts times)."),
+            (
+                "pgjobs_queue_oldest_due_age_seconds",
+                "Age of the oldest due item since its enqueue (0 when none is due).",
+            ),
+        ]
+    )
+    for name in queue_jobs:
+        row = by_job.get(name)
+        values = (
+            (0, 0, 0, 0, 0.0)
+            if row is None or not row.queued
+            else (row.depth, row.due, row.retrying, row.dead, row.oldest_due)
+        )
+        for family, value in zip(families, values, strict=True):
+            family.add_metric([name], value)
+    return families
+
+
+def _epoch(when: datetime | None) -> float | None:
+    return None if when is None else when.timestamp()
+
+
+def _rows(found: StatusRead) -> list[_Row]:
+    """The gauges' rows: every job with a state or a queue, by name."""
+    queues = {q.job: q for q in found.queues}
+    rows = []
+    for job in sorted({*found.states, *queues}):
+        state, q = found.states.get(job, {}), queues.get(job)
+        due = None if q is None else q.oldest_due_age
+        next_attempt = state.get("next_attempt_at")
+        rows.append(
+            _Row(
+                job=job,
+                failures=state.get("failures"),
+                backing_off=None if not state else bool(next_attempt and next_attempt > found.now),
+                last_success=_epoch(state.get("last_success_at")),
+                queued=q is not None,
+                depth=0 if q is None else q.depth,
+                due=0 if q is None else q.due,
+                retrying=0 if q is None else q.retrying,
+                dead=0 if q is None else q.dead,
+                oldest_due=0.0 if due is None else due.total_seconds(),
+                paused_since=_epoch(state.get("paused_at")),
+            )
+        )
+    return rows
+
+
 def _last_checks(
-    conn: Connection, source: Source
+    found: StatusRead, source: Source
 ) -> list[tuple[str, dict[str, int], dict[str, int], float, bool]]:
-    """Each recompute's last check from the run log: one index probe a job."""
-    names = [n for n, j in source.jobs.items() if j.kind == "recompute"]
-    if not names:
-        return []
-    query = sql.SQL(
-        "select r.job, r.inserted, r.updated, r.deleted, r.skipped_missing_parent,"
-        " r.detail -> 'check' -> 'on_the_way', extract(epoch from r.started_at)::float8,"
-        " r.error is not null from unnest(%s::text[]) as j(job), lateral (select * from {run} r"
-        " where r.job = j.job and r.outcome = 'checked' order by r.started_at desc, r.id desc"
-        " limit 1) r order by 1"
-    ).format(run=sql.Identifier(source.schema, "run"))
+    """Each recompute's last check, from the read model's last checked runs."""
     out = []
-    for job, ins, upd, dele, skip, way, at, failed in execute(conn, query, (names,)).fetchall():
-        figures = {"inserted": ins, "updated": upd, "deleted": dele, "skipped_missing_parent": skip}
-        on_the_way = {k: int((way or {}).get(k, 0) or 0) for k in figures}
-        out.append((str(job), figures, on_the_way, float(at), bool(failed)))
+    for job in sorted(n for n, j in source.jobs.items() if j.kind == "recompute"):
+        run = found.last_checked.get(job)
+        if run is None:
+            continue
+        figures = {k: run[k] for k in ("inserted", "updated", "deleted", "skipped_missing_parent")}
+        way = ((run.get("detail") or {}).get("check") or {}).get("on_the_way") or {}
+        on_the_way = {k: int(way.get(k, 0) or 0) for k in figures}
+        out.append(
+            (job, figures, on_the_way, run["started_at"].timestamp(), run["error"] is not None)
+        )
     return out
 
 

@@ -145,6 +145,37 @@ def paused_of(state: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def last_check_of(run: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A job's last check (its last ``checked`` run), as ``pgjobs status
+    --json`` shows it: when, the drift found (rows a recompute would write
+    then, or skip), and the error when the check failed."""
+    if not run:
+        return None
+    return {
+        "at": run.get("finished_at") or run.get("started_at"),
+        "drift": {k: run.get(k) or 0 for k in ("inserted", "updated", "deleted")},
+        "skipped_missing_parent": run.get("skipped_missing_parent") or 0,
+        "error": run.get("error"),
+    }
+
+
+def check_line(check: Mapping[str, Any], now: datetime) -> str:
+    """What ``pgjobs status`` says of a job's last check."""
+    at = check["at"]
+    age = timedelta(seconds=int(max(now - at, timedelta(0)).total_seconds())) if at else None
+    when = "" if age is None else f" {format_duration(age)} ago"
+    if check["error"]:
+        return f"last check failed{when}: {check['error']}"
+    drift = check["drift"]
+    total = sum(drift.values())
+    if not total:
+        return f"last checked{when}: no drift"
+    return (
+        f"last checked{when}: {total:,} rows drift (+{drift['inserted']:,}"
+        f" ~{drift['updated']:,} -{drift['deleted']:,})"
+    )
+
+
 def paused_line(result: RunResult) -> str:
     """What ``pgjobs once`` says of a paused job."""
     since = result.detail.get("paused_at")
@@ -389,8 +420,10 @@ __all__ = [
     "Operator",
     "Pause",
     "Revived",
+    "check_line",
     "engine_for",
     "enqueue_keys",
+    "last_check_of",
     "parse_keys",
     "pause",
     "paused_line",

@@ -31,8 +31,7 @@ import math
 import sys
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import date, datetime
 from datetime import time as dtime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
@@ -43,6 +42,7 @@ from sqlalchemy.engine import Connection
 
 from ._pg import driver, qualified
 from .errors import ConfigError, PgJobsError
+from .readmodel import QueueStats, queue_stats_of, queue_stats_query
 from .store import DEFAULT_SCHEMA
 
 if TYPE_CHECKING:
@@ -415,34 +415,18 @@ def _check_columns(table: str, columns: tuple[str, ...], rows: Sequence[tuple[An
         raise ConfigError(f"columns: {table!r} has no column(s) {missing}")
 
 
-# -- status ----------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class QueueStats:
-    """One job's queue, for ``pgjobs status`` and metrics."""
-
-    job: str
-    #: live items: due now or waiting for their retry
-    depth: int
-    #: live items that may be claimed now
-    due: int
-    #: live items that failed at least once and wait for another attempt
-    retrying: int
-    #: parked items (failed ``max_attempts`` times), kept until enqueued again
-    dead: int
-    #: the first enqueue of the oldest live item, and its age (database clock)
-    oldest_enqueued_at: datetime | None = None
-    oldest_age: timedelta | None = None
-
-
+# -- status ----------------------------------------------------------------------------
+# The counts are read by pgjobs.readmodel, which status, the page and the metrics share.
 def queue_stats(conn: AnyConnection, *, schema: str = DEFAULT_SCHEMA) -> list[QueueStats]:
-    """Per job with anything in the queue: depth, due, retrying, dead, oldest age.
-    Async code awaits :func:`queue_stats_async`."""
+    """Per job with anything in the queue: depth, due, retrying, dead, the
+    oldest live item's age and the oldest due item's age
+    (:class:`QueueStats`). Async code awaits :func:`queue_stats_async`."""
     raw = _raw(conn)
     try:
-        rows = raw.execute(_stats_query(schema)).fetchall()
+        rows = raw.execute(queue_stats_query(schema), {"job": None}).fetchall()
     except _MISSING_TABLE as exc:
         raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
-    return _stats(rows)
+    return queue_stats_of(rows)
 
 
 async def queue_stats_async(
@@ -451,37 +435,10 @@ async def queue_stats_async(
     """:func:`queue_stats` on an ``AsyncConnection``, in the caller's transaction."""
     raw = await _araw(conn)
     try:
-        rows = await (await raw.execute(_stats_query(schema))).fetchall()
+        rows = await (await raw.execute(queue_stats_query(schema), {"job": None})).fetchall()
     except _MISSING_TABLE as exc:
         raise PgJobsError(_NOT_INSTALLED.format(schema=schema)) from exc
-    return _stats(rows)
-
-
-def _stats_query(schema: str) -> sql.Composed:
-    return sql.SQL(
-        "select job, count(*) filter (where dead_at is null),"
-        " count(*) filter (where dead_at is null and not_before <= now()),"
-        " count(*) filter (where dead_at is null and attempts > 0),"
-        " count(*) filter (where dead_at is not null),"
-        " min(enqueued_at) filter (where dead_at is null),"
-        " now() - min(enqueued_at) filter (where dead_at is null)"
-        " from {} group by job order by job"
-    ).format(queue_table(schema))
-
-
-def _stats(rows: Sequence[tuple[Any, ...]]) -> list[QueueStats]:
-    return [
-        QueueStats(
-            job=r[0],
-            depth=r[1],
-            due=r[2],
-            retrying=r[3],
-            dead=r[4],
-            oldest_enqueued_at=r[5],
-            oldest_age=r[6],
-        )
-        for r in rows
-    ]
+    return queue_stats_of(rows)
 
 
 # -- upkeep ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
 from . import migrations
-from ._pg import driver, execute, send, set_local
+from ._pg import execute, send, set_local
 from .results import RunResult
 
 log = logging.getLogger(__name__)
@@ -50,28 +50,6 @@ class JobState:
     #: since when the job is paused (``pgjobs pause``), else ``None``
     paused_at: datetime | None = None
     paused_reason: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Status:
-    """What :meth:`Store.status` read: rows of ``job_state`` and of ``run``
-    (as dicts by column name), by job name."""
-
-    now: datetime
-    installed: bool
-    states: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: each job's last run, whatever its outcome
-    last: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: each job's last run that ran
-    last_ran: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: per job, its runs ``interrupted`` (a lost connection) since it last ran
-    interrupted: dict[str, int] = field(default_factory=dict)
-
-
-def _rows_by_job(cursor: Any) -> dict[str, dict[str, Any]]:
-    names = [d.name for d in cursor.description or ()]
-    job = names.index("job")
-    return {row[job]: dict(zip(names, row, strict=True)) for row in cursor}
 
 
 class Store:
@@ -242,44 +220,6 @@ class Store:
                 " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at) {}"
             ).format(self.table("job_state"), insert)
         return insert, params
-
-    # -- status ------------------------------------------------------------
-    def status(self, conn: Connection) -> Status:
-        """What ``pgjobs status`` shows: per job, its state, its last run and
-        its last run that ran. Reads only: where pgjobs' tables are not
-        installed, ``installed`` is false and nothing is created."""
-        now = execute(conn, "select now()").fetchone()
-        assert now is not None
-        state_table = self.table("job_state").as_string(driver(conn))
-        found = execute(conn, "select to_regclass(%s) is not null", (state_table,)).fetchone()
-        if not (found and found[0]):
-            return Status(now=now[0], installed=False)
-        # Each job's latest run by one probe of the (job, started_at) index:
-        # a DISTINCT ON over the whole run log took 450 ms at 100k runs.
-        latest = sql.SQL(
-            "select r.* from {state} as s, lateral (select * from {run} as r"
-            " where r.job = s.job {only} order by r.started_at desc, r.id desc limit 1) as r"
-        )
-        state, run = self.table("job_state"), self.table("run")
-        # per job, a probe of the (job, started_at) index from its last success
-        interrupted = sql.SQL(
-            "select s.job, (select count(*) from {run} as r where r.job = s.job"
-            " and r.started_at > coalesce(s.last_success_at, '-infinity')"
-            " and r.outcome = 'interrupted') from {state} as s"
-        ).format(state=state, run=run)
-        return Status(
-            now=now[0],
-            installed=True,
-            states=_rows_by_job(execute(conn, sql.SQL("select * from {}").format(state))),
-            last=_rows_by_job(execute(conn, latest.format(state=state, run=run, only=sql.SQL("")))),
-            last_ran=_rows_by_job(
-                execute(
-                    conn,
-                    latest.format(state=state, run=run, only=sql.SQL("and r.outcome = 'ran'")),
-                )
-            ),
-            interrupted={job: n for job, n in execute(conn, interrupted) if n},
-        )
 
     def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
         """Delete runs that started more than ``keep`` before ``now``."""

@@ -11,7 +11,7 @@ Layers, top to bottom (``docs/DESIGN.md`` draws them)::
     definitions  checks, registry, config, hookspecs, preflight
     protocol     runner, steps, records, drift
     bodies       recompute, worker
-    writers      diff, staging, target, queue, store, migrations, locking, database, embedded, flow, heartbeat
+    writers      diff, staging, target, queue, readmodel, store, migrations, locking, database, embedded, flow, heartbeat
     model        jobs, cron, results, errors, durations, backoff, logs
     base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
 
@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "staging",
             "target",
             "queue",
+            "readmodel",
             "store",
             "migrations",
             "locking",

@@ -11,6 +11,7 @@ the check finds nothing after it. Rows of queued items are reported apart.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import threading
@@ -582,3 +583,37 @@ def test_an_item_a_worker_rewrote_while_the_check_computed_is_not_drift(exams: E
     assert (result.inserted, result.updated, result.deleted) == (2, 3, 1)
     assert result.on_the_way.updated == 5
     assert keys(result, "on_the_way") == [(7, s) for s in range(1, 6)]
+
+
+def test_status_shows_the_last_check_the_page_and_metrics_read(
+    exams: Engine, db_url: str, tmp_path: Path
+) -> None:
+    """``pgjobs status`` reads the last recorded check through the read model
+    the page and the metrics read: the same figures on all three."""
+    from pgjobs.drift import verify
+    from pgjobs.metrics import Metrics
+    from pgjobs.serve import Request, Source
+    from pgjobs.store import Store
+    from pgjobs.web import StatusPage
+
+    pgjobs.install(exams)
+    job = recompute(verify_every="1h")
+    recorded = verify(exams, Store(), job)
+    assert recorded is not None and recorded.outcome == "checked"
+    figures = {"inserted": 2, "updated": 3, "deleted": 1}
+    assert {k: getattr(recorded.stats, k) for k in figures} == figures
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(CONFIG_JOB)
+    out = invoke("status", "-c", str(config), "--database", db_url, "--json")
+    assert out.exit_code == 0, out.output
+    [row] = [r for r in json.loads(out.output)["jobs"] if r["job"] == "scores"]
+    assert row["last_check"]["drift"] == figures
+    assert row["last_check"]["error"] is None and row["last_check"]["at"] is not None
+    text_out = invoke("status", "-c", str(config), "--database", db_url)
+    line = r"scores: last checked \d+[smh]\S* ago: 6 rows drift \(\+2 ~3 -1\)"
+    assert re.search(line, text_out.output), text_out.output
+    source = Source(engine=exams, jobs={job.name: job})
+    drift = samples_of(Metrics(cache_seconds=0).bind(source).exposition(), "pgjobs_drift_rows")
+    assert {dict(k)["change"]: v for k, v in drift.items()} == {**figures, "skipped": 0}
+    overview = StatusPage(refresh=0)(source, Request("/")).body.decode()
+    assert "+2 ~3 -1" in overview

@@ -1079,3 +1079,30 @@ def test_a_compute_whose_columns_change_under_a_star_is_loaded_by_its_new_names(
     assert (result.outcome, result.stats.inserted) == ("ran", 2)
     assert derived(db, 2) == [(2, 0, 30, 3), (2, 1, 40, 4)]
     assert queue_rows(db) == []
+
+
+def test_queue_stats_tell_the_oldest_live_item_from_the_oldest_due_one(db):
+    """Two ages, one meaning each: an item waiting for its retry is live (in
+    ``oldest_age``) but not due (not in ``oldest_due_age``)."""
+    push(db, "a", [1, 2])
+    with db.begin() as conn:
+        conn.execute(
+            text(
+                "update pgjobs.queue set enqueued_at = now() - interval '2 hours', attempts = 1,"
+                " not_before = now() + interval '1 minute' where key = '[1]'"
+            )
+        )
+        conn.execute(
+            text(
+                "update pgjobs.queue set enqueued_at = now() - interval '1 hour' where key = '[2]'"
+            )
+        )
+    with db.connect() as conn:
+        (a,) = queue_stats(conn)
+    assert timedelta(minutes=119) < a.oldest_age < timedelta(minutes=121)
+    assert timedelta(minutes=59) < a.oldest_due_age < timedelta(minutes=61)
+    with db.begin() as conn:
+        conn.execute(text("update pgjobs.queue set not_before = now() + interval '1 minute'"))
+    with db.connect() as conn:
+        (a,) = queue_stats(conn)
+    assert a.due == 0 and a.oldest_due_age is None and a.oldest_age is not None

@@ -1,0 +1,5 @@
+"""``python -m pgjobs.cli``: the ``pgjobs`` command."""
+
+from . import main
+
+main()
