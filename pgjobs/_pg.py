@@ -404,3 +404,31 @@ def analyze_statements(
 def analyze(table: sql.Identifier, columns: Sequence[str] = ()) -> sql.Composed:
     """:func:`analyze_statements` as one string, to send in one round trip."""
     return sql.SQL("; ").join(analyze_statements(table, columns))
+
+
+__all__ = [
+    "TEMP_STATISTICS_TARGET",
+    "Later",
+    "Params",
+    "Result",
+    "abandon",
+    "analyze",
+    "analyze_statements",
+    "connection_lost",
+    "driver",
+    "driver_error",
+    "error_text",
+    "execute",
+    "first_line",
+    "flush",
+    "later",
+    "one_statement",
+    "open_transaction",
+    "qualified",
+    "send",
+    "set_local",
+    "sqlstate_of",
+    "swap_settings",
+    "unavailable",
+    "why_unavailable",
+]

@@ -79,3 +79,8 @@ class Backoff:
         if self.jitter:
             seconds *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
         return timedelta(seconds=seconds)
+
+
+__all__ = [
+    "Backoff",
+]

@@ -166,3 +166,13 @@ def _local_commit(dbapi_conn: Any, record: Any) -> None:
         dbapi_conn.execute("set synchronous_commit = local")
         if idle and not dbapi_conn.autocommit:
             dbapi_conn.commit()
+
+
+__all__ = [
+    "CONNECT_DEFAULTS",
+    "ENV_TRANSACTION_POOLING",
+    "ENV_URL",
+    "normalize_url",
+    "resolve_engine",
+    "transaction_pooling",
+]

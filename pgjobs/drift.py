@@ -688,3 +688,17 @@ def verify(
         with conn.begin():
             run_id = store.insert_run(conn, record, worker)
     return replace(record, run_id=run_id)
+
+
+__all__ = [
+    "KINDS",
+    "ON_THE_WAY",
+    "SAMPLE",
+    "CheckResult",
+    "Sample",
+    "check_on",
+    "parse_keys",
+    "summary",
+    "verify",
+    "workers_of",
+]

@@ -105,3 +105,13 @@ def format_duration(value: timedelta) -> str:
             parts.append(f"{seconds // size}{unit}")
             seconds %= size
     return "".join(parts) or "0s"
+
+
+__all__ = [
+    "MAX_DURATION",
+    "MAX_TIMEOUT",
+    "Duration",
+    "format_duration",
+    "parse_duration",
+    "parse_timeout",
+]

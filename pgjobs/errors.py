@@ -48,3 +48,13 @@ class SchemaError(PgJobsError):
 class MigrationError(PgJobsError):
     """A migration could not be applied (its locks were not granted in time;
     a migration file without its ``-- pgjobs-migration:`` line)."""
+
+
+__all__ = [
+    "ConfigError",
+    "JobError",
+    "MigrationError",
+    "PgJobsError",
+    "PluginError",
+    "SchemaError",
+]

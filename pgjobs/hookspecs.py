@@ -50,3 +50,11 @@ def pgjobs_register_jobs(register: Callable[[Job], None]) -> None:
     objects, not touch the database. An exception here is a
     :class:`~pgjobs.PluginError` naming the plugin.
     """
+
+
+__all__ = [
+    "PROJECT",
+    "hookimpl",
+    "hookspec",
+    "pgjobs_register_jobs",
+]

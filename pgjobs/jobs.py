@@ -614,3 +614,30 @@ class QueueJob(_DiffJob):
         object.__setattr__(
             self, "item_backoff", Backoff.coerce(self.item_backoff, field=f"{where}: item_backoff")
         )
+
+
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "MAX_ATTEMPTS",
+    "MAX_BATCH",
+    "MAX_CHUNK_ROWS",
+    "MAX_WORKERS",
+    "MAX_WORKER_ITEMS",
+    "Body",
+    "Computed",
+    "Job",
+    "Keys",
+    "Locks",
+    "P",
+    "Parent",
+    "Progress",
+    "QueueJob",
+    "RecomputeJob",
+    "RunContext",
+    "Statement",
+    "TaskJob",
+    "check_count",
+    "check_name",
+    "check_table",
+    "next_due_after_success",
+]

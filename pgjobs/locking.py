@@ -64,3 +64,19 @@ def try_session_lock(conn: Connection, name: str) -> int | None:
 
 def release_session_lock(conn: Connection, name: str) -> None:
     conn.execute(_UNLOCK_SESSION, {"key": name})
+
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "TRY_XACT_BOTH_SQL",
+    "TRY_XACT_SHARED_SQL",
+    "TRY_XACT_SQL",
+    "UNLOCK_SESSION_SQL",
+    "WAIT_SESSION_SQL",
+    "WAIT_XACT_SHARED_SQL",
+    "WAIT_XACT_SQL",
+    "lock_name",
+    "recompute_lock_name",
+    "release_session_lock",
+    "try_session_lock",
+]

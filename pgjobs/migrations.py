@@ -518,3 +518,24 @@ def command(
         return 0, f"pgjobs' schema {schema!r} is current (version {version}): nothing to apply"
     names = ", ".join(m.name for m in applied)
     return 0, f"pgjobs: applied {names} to schema {schema!r}; it is at version {version}"
+
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "KINDS",
+    "Installed",
+    "MigrateSettings",
+    "Migration",
+    "Plan",
+    "code_version",
+    "command",
+    "ensure",
+    "load",
+    "migrate",
+    "migrations",
+    "parse",
+    "plan",
+    "read",
+    "script",
+    "statements",
+]

@@ -317,3 +317,12 @@ def _plan(ctx: RunContext) -> FlowPlan:
 
 
 BODY = RecomputeBody()
+
+
+__all__ = [
+    "BODY",
+    "REPAIRED_SAMPLE",
+    "Prepared",
+    "RecomputeBody",
+    "run_recompute",
+]

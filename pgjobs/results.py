@@ -111,3 +111,11 @@ class RunResult:
     def ok(self) -> bool:
         """Everything but ``failed`` and ``interrupted``."""
         return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED)
+
+
+__all__ = [
+    "DiffStats",
+    "Execution",
+    "Outcome",
+    "RunResult",
+]

@@ -137,3 +137,14 @@ def _views(source: Source, found: StatusRead) -> list[JobView]:
 
 
 # -- HTML, escaped by construction -------------------------------------------------------
+
+
+__all__ = [
+    "DEAD_ITEMS",
+    "JOB_RUNS",
+    "RUNS",
+    "JobView",
+    "QueueView",
+    "Snapshot",
+    "read",
+]

@@ -229,3 +229,11 @@ class Store:
             (now - keep,),
         )
         return cur.rowcount
+
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "QUIET_OUTCOMES",
+    "JobState",
+    "Store",
+]

@@ -194,3 +194,15 @@ def assert_no_drift(
     if found.drift or way.changed or way.skipped_missing_parent:
         raise AssertionError("the incremental path and the recompute disagree:\n" + summary(found))
     return found
+
+
+__all__ = [
+    "DRAIN_TICKS",
+    "ENV_DSN",
+    "HOW_TO_GET_ONE",
+    "assert_no_drift",
+    "find_server_url",
+    "fresh_database",
+    "run_sql",
+    "run_tick",
+]

@@ -1,31 +1,29 @@
 #!/usr/bin/env python3
-"""The house rules of pgjobs' imports, read from the source with ``ast``:
+"""The house rules of pgjobs' modules, read from the source with ``ast``:
 
 1. no import cycle among pgjobs' modules (imports under ``TYPE_CHECKING``
    and inside functions count too: a cycle hidden in a function is still one);
-2. a module imports only from its own layer or the layers below it.
+2. a module imports only from its own layer or the layers below it;
+3. every module says what it offers in ``__all__`` (the public surface is
+   ``pgjobs/__init__.py``'s; the rest is named, not implied);
+4. the house table of ``docs/DESIGN.md`` names each layer's modules as
+   :data:`LAYERS` does, no more and no fewer: the one layer table is
+   :data:`LAYERS`, the prose is checked against it.
 
-Layers, top to bottom (``docs/DESIGN.md`` draws them)::
-
-    face         cli, progress, scheduler, lifecycle, firing, api, testing, demo, web, snapshot, metrics, tracing, serve, operate, __init__
-    definitions  checks, registry, config, hookspecs, preflight
-    protocol     runner, steps, records, drift
-    bodies       recompute, worker
-    writers      diff, staging, target, queue, readmodel, store, migrations, locking, database, embedded, flow, heartbeat
-    model        jobs, cron, results, errors, durations, backoff, logs
-    base         _pg, deadline (helpers over psycopg and SQLAlchemy; import nothing of pgjobs)
-
-A module not listed is refused: put it on a floor. Exit 1 with what is
-wrong; ``--graph`` prints every arrow. Run by ``scripts/check`` (and CI).
+A module not in :data:`LAYERS` is refused: put it on a floor. Exit 1 with
+what is wrong; ``--graph`` prints every arrow, ``--layers`` the layers. Run
+by ``scripts/check`` (and CI).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pgjobs"
+DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 
 LAYERS: list[tuple[str, set[str]]] = [
     (
@@ -47,6 +45,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "tracing",
             "serve",
             "operate",
+            "embedded",
         },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
@@ -63,15 +62,13 @@ LAYERS: list[tuple[str, set[str]]] = [
             "store",
             "migrations",
             "locking",
-            "database",
-            "embedded",
             "listener",
             "flow",
             "heartbeat",
         },
     ),
-    ("model", {"jobs", "cron", "results", "errors", "durations", "backoff", "logs"}),
-    ("base", {"_pg", "deadline"}),
+    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
+    ("base", {"_pg", "deadline", "errors", "database"}),
 ]
 
 
@@ -204,17 +201,74 @@ def problems(edges: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def without_all() -> list[str]:
+    """Modules that define no ``__all__``."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        names = {
+            target.id
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)
+        }
+        if "__all__" not in names:
+            out.append(f"{module_name(path)}: no __all__ (say what it offers)")
+    return out
+
+
+def _depth0(cell: str) -> str:
+    """``cell`` without what is in parentheses (sub-modules, notes)."""
+    out, depth = [], 0
+    for char in cell:
+        depth += char == "("
+        if depth == 0:
+            out.append(char)
+        depth -= char == ")" and depth > 0
+    return "".join(out)
+
+
+def table_problems(text: str) -> list[str]:
+    """Where the house table of ``docs/DESIGN.md`` and :data:`LAYERS` disagree:
+    each row's modules (the names in backticks outside parentheses, a
+    package's trailing ``/`` dropped) must be its layer's."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0] in {name for name, _ in LAYERS}:
+            found = re.findall(r"`([^`]+)`", _depth0(cells[1]))
+            rows[cells[0]] = {name.rstrip("/") for name in found}
+    out = []
+    for layer, members in LAYERS:
+        if layer not in rows:
+            out.append(f"{DESIGN.name}: the house table has no row {layer!r}")
+            continue
+        wanted = members - {"__main__"}
+        for name in sorted(wanted - rows[layer]):
+            out.append(f"{DESIGN.name}: layer {layer!r} does not name {name!r} (LAYERS does)")
+        for name in sorted(rows[layer] - wanted):
+            out.append(f"{DESIGN.name}: layer {layer!r} names {name!r}, which LAYERS does not")
+    return out
+
+
 def main(argv: list[str]) -> int:
     edges = graph()
     if "--graph" in argv:
         for module in sorted(edges):
             print(f"{module} -> {', '.join(sorted(edges[module])) or '-'}")
-    found = problems(edges)
+    if "--layers" in argv:
+        for layer, members in LAYERS:
+            print(f"{layer:<12} {', '.join(sorted(members))}")
+    found = problems(edges) + without_all() + table_problems(DESIGN.read_text(encoding="utf-8"))
     for line in found:
         print(f"check_imports: {line}", file=sys.stderr)
     if found:
         return 1
-    print(f"check_imports: {len(edges)} modules, no cycle, every import one way")
+    print(
+        f"check_imports: {len(edges)} modules, no cycle, every import one way, each with"
+        " __all__, the house table as LAYERS"
+    )
     return 0
 
 

@@ -129,3 +129,11 @@ def _wait(engine: Engine, query: str, timeout: float = 30.0) -> None:
                 return
         assert time.monotonic() < deadline, f"not within {timeout} s: {query}"
         time.sleep(0.05)
+
+
+def test_every_public_name_has_its_reference() -> None:
+    import pgjobs
+
+    page = _page("api.md")
+    documented = set(re.findall(r"^::: pgjobs\.(\w+)$", page, flags=re.M))
+    assert sorted(set(pgjobs.__all__) - documented) == []

@@ -59,3 +59,18 @@ def test_imports_inside_functions_and_under_type_checking_count(tmp_path: Path) 
     )
     known = {"jobs", "runner", "diff", "queue"}
     assert checker.imports_of(source, "jobs", known) == {"runner", "diff", "queue"}
+
+
+def test_every_module_says_what_it_offers() -> None:
+    assert load_checker().without_all() == []
+
+
+def test_the_house_table_is_checked_against_the_layers() -> None:
+    checker = load_checker()
+    text = checker.DESIGN.read_text(encoding="utf-8")
+    assert checker.table_problems(text) == []
+    # a module dropped from its row, and one named on the wrong floor
+    broken = text.replace("`steps`, ", "", 1).replace("`readmodel`", "`readmodel`, `runner`", 1)
+    found = checker.table_problems(broken)
+    assert "DESIGN.md: layer 'protocol' does not name 'steps' (LAYERS does)" in found
+    assert "DESIGN.md: layer 'writers' names 'runner', which LAYERS does not" in found

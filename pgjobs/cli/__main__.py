@@ -3,3 +3,6 @@
 from . import main
 
 main()
+
+
+__all__: list[str] = []

@@ -187,3 +187,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 #: set by ``run`` once its scheduler has stopped and everything is written
 _STOPPED = threading.Event()
+
+
+__all__ = [
+    "DISTRIBUTION",
+    "F",
+    "cli",
+]

@@ -74,3 +74,11 @@ def revive(
 
     with _errors():
         click.echo(Operator(*_load(config_path, database)).revive(job, keys, as_json=as_json))
+
+
+__all__ = [
+    "enqueue_items",
+    "pause",
+    "resume",
+    "revive",
+]

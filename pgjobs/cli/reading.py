@@ -210,3 +210,9 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 click.echo("\n" + schedulers_table(schedulers, now))
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
+
+
+__all__ = [
+    "list_jobs",
+    "status",
+]

@@ -221,3 +221,8 @@ def _serve(
             server.close()
         raise
     return servers
+
+
+__all__ = [
+    "run",
+]

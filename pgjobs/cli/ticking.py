@@ -183,3 +183,9 @@ def check(
         click.echo(out or drift.summary(result))
         if result.drift:
             sys.exit(EXIT_FAILED)
+
+
+__all__ = [
+    "check",
+    "once",
+]

@@ -122,3 +122,9 @@ def demo(**options: Any) -> None:
 
     options["database"] = _given("database", options["database"])
     sys.exit(run_demo(**options))
+
+
+__all__ = [
+    "demo",
+    "migrate",
+]

@@ -81,3 +81,9 @@ class Design:
     def scripted(self) -> list[Scripted]:
         """Play the design's scripted interleavings, step by step."""
         raise NotImplementedError
+
+
+__all__ = [
+    "Design",
+    "Place",
+]

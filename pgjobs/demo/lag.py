@@ -99,3 +99,12 @@ class LagTally:
             if key in live:
                 unprocessed += len(pending)
         return LagFigures(lags=lags, unprocessed=unprocessed)
+
+
+__all__ = [
+    "LagFigures",
+    "LagTally",
+    "XactSnapshot",
+    "current_snapshot",
+    "current_xid",
+]

@@ -272,3 +272,8 @@ class Naive(Design):
             user_seconds=user.seconds,
             user_done_during_job=done_during[0],
         )
+
+
+__all__ = [
+    "Naive",
+]

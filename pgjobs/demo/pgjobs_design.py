@@ -204,3 +204,9 @@ class PgJobsWithoutFlow(PgJobsDesign):
 
     def scripted(self) -> list[Scripted]:
         return []  # the same interleaving as pgjobs': flow changes nothing in it
+
+
+__all__ = [
+    "PgJobsDesign",
+    "PgJobsWithoutFlow",
+]

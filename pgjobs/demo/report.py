@@ -398,3 +398,18 @@ def healthy(report: DemoReport) -> bool:
     p = report.phase("pgjobs")
     ran = all(j.outcomes.get("ran", 0) > 0 for j in p.jobs.values())
     return ran and p.deadlocks == 0 and p.fk_violations == 0 and p.drift == 0
+
+
+__all__ = [
+    "LAG_LEGEND",
+    "DemoReport",
+    "JobReport",
+    "JobTally",
+    "PhaseReport",
+    "Scripted",
+    "UserTally",
+    "fmt_s",
+    "format_report",
+    "healthy",
+    "quantile",
+]

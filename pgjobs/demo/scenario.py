@@ -194,3 +194,24 @@ def drift(engine: Engine) -> int:
     """Scores that differ from a from-scratch computation."""
     with engine.connect() as conn:
         return int(conn.execute(text(DRIFT)).scalar_one())
+
+
+__all__ = [
+    "COMPUTE_SQL",
+    "DEADLOCK",
+    "DRIFT",
+    "FK_VIOLATION",
+    "GROUP",
+    "RECOMPUTE",
+    "SEED",
+    "TABLES",
+    "UPSERT_STATUS",
+    "WORKER",
+    "DemoOptions",
+    "admin",
+    "build",
+    "drift",
+    "live_exams",
+    "schema_engine",
+    "sqlstate",
+]

@@ -103,3 +103,8 @@ def timed_run(design: Design, opts: DemoOptions, err: TextIO | None) -> PhaseRep
         queue_lags=lag.lags,
         unprocessed=lag.unprocessed,
     )
+
+
+__all__ = [
+    "timed_run",
+]

@@ -203,3 +203,10 @@ class Users:
             return
         self.design.lag.enqueued(exam, xid, committed)
         self.tally.done("change")
+
+
+__all__ = [
+    "Exams",
+    "UserDelete",
+    "Users",
+]

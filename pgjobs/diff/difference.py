@@ -280,3 +280,9 @@ def _with_chunks(plan: Plan, body: sql.Composable, chunks: Chunks) -> sql.Compos
         yk=idents(key_in_difference, "y"),
         yp_nn=not_null("y", p),
     )
+
+
+__all__ = [
+    "Chunks",
+    "build_difference",
+]

@@ -550,3 +550,13 @@ def _orphans_sql(
         locked_ok=locked_ok,
         deleted=deleted,
     )
+
+
+__all__ = [
+    "Locked",
+    "create_parent_tables",
+    "index_bad",
+    "lock_parents",
+    "need_sql",
+    "parent_tables_sql",
+]

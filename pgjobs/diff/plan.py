@@ -282,3 +282,25 @@ def keyed_plans(conn: Connection, on: bool) -> Iterator[None]:
         yield
     finally:
         later(conn, _KEYED_OFF)
+
+
+__all__ = [
+    "KEYED_FRACTION",
+    "Plan",
+    "Scope",
+    "analyze_later",
+    "analyze_now",
+    "chunk_filter",
+    "count",
+    "create_sql",
+    "create_temp",
+    "equal",
+    "estimated_rows_sql",
+    "idents",
+    "index_name",
+    "keyed_pass",
+    "keyed_plans",
+    "not_null",
+    "run",
+    "run_all",
+]

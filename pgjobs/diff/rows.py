@@ -171,3 +171,9 @@ class _Writes:
             nb=self.not_bad,
             on=self.same_key,
         )
+
+
+__all__ = [
+    "Written",
+    "write_rows",
+]

@@ -339,3 +339,9 @@ class SmallDiff:
             unchanged=staged - inserted - updated - skipped - deferred,
         )
         return SmallResult(ok=True, stats=stats, deferred=deferred + deferred_deletes)
+
+
+__all__ = [
+    "SmallDiff",
+    "SmallResult",
+]

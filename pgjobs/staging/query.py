@@ -278,3 +278,17 @@ def insert_select(
     counted = execute(conn, sql.SQL("select count(*) from {}").format(sql.Identifier(name)))
     row = counted.fetchone()
     return int(row[0]) if row else 0
+
+
+__all__ = [
+    "bind",
+    "check_sql",
+    "insert_select",
+    "insert_sql",
+    "plain_sql",
+    "probe_sql",
+    "query_names",
+    "stage_plain",
+    "stage_plain_temp",
+    "strip",
+]

@@ -143,3 +143,9 @@ def _dumps(pg: psycopg.Connection[Any], oid: int, fmt: pq.Format) -> bool:
     except psycopg.ProgrammingError:
         return False
     return True
+
+
+__all__ = [
+    "copy_rows",
+    "python_rows",
+]

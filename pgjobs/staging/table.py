@@ -207,3 +207,20 @@ def prepare_statements(target: Target, name: str, columns: Sequence[str]) -> lis
         ),
         sql.SQL("delete from {}").format(ident),
     ]
+
+
+__all__ = [
+    "add_key",
+    "add_key_sql",
+    "check_columns",
+    "check_coverage",
+    "check_repeated",
+    "create",
+    "create_sql",
+    "key_errors",
+    "prepare_session",
+    "prepare_statements",
+    "repeated_key_sql",
+    "session_name",
+    "temp_name",
+]

@@ -107,3 +107,12 @@ class QueueBody:
 
 
 BODY = QueueBody()
+
+
+__all__ = [
+    "BODY",
+    "QueueBody",
+    "has_pending",
+    "pending_query",
+    "run_queue",
+]

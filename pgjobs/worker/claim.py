@@ -251,3 +251,18 @@ def lock_parents(t: Tick, items: list[str]) -> tuple[list[str], list[str], list[
         else:
             deferred.append(item)
     return sorted(ok), sorted(gone), sorted(deferred)
+
+
+__all__ = [
+    "PRELOAD_BATCH",
+    "Claimed",
+    "claim",
+    "claim_known",
+    "claim_own",
+    "claim_rows",
+    "classify",
+    "finish_own",
+    "lock_parents",
+    "lock_readable",
+    "unreadable",
+]

@@ -138,3 +138,10 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         t.statements.small.clear()
     t.statements.small[query] = made
     return made
+
+
+__all__ = [
+    "SMALL_KEYS",
+    "small_enough",
+    "write_small",
+]

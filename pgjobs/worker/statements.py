@@ -342,3 +342,13 @@ def statements_for(job: QueueJob, schema: str, target: Target) -> Statements:
             _cache.clear()
         _cache[key] = (job, target, made)
     return made
+
+
+__all__ = [
+    "KEYS_TABLE",
+    "ItemParent",
+    "Statements",
+    "frozen",
+    "item_parents",
+    "statements_for",
+]

@@ -259,3 +259,16 @@ def record_failures(t: Tick) -> int:
             )
     t.raw.execute(t.statements.record_failures, (job.max_attempts, names, delays, texts, job.name))
     return dead
+
+
+__all__ = [
+    "compute_params",
+    "delete",
+    "load_keys",
+    "mark",
+    "process",
+    "record_failures",
+    "run_tick",
+    "write",
+    "write_general",
+]

@@ -27,3 +27,9 @@ def count_deleted(ctx: RunContext, n: int) -> None:
         _deleted[schema] = 0 if due else total
     if due:
         ctx.after_commit.append(lambda conn: vacuum_queue(conn, schema=schema))
+
+
+__all__ = [
+    "VACUUM_EVERY",
+    "count_deleted",
+]
