@@ -112,6 +112,21 @@ def test_getting_started_works_as_written(env_db: str, tmp_path: Path) -> None:
             )
             assert app.returncode == 0, app.stderr
             _wait(engine, "select score = 1 and votes = 1 from post_score where post_id = 1")
+            # the operator's enqueue, as the page writes it
+            (shell,) = [t for lang, t in blocks if lang == "sh" and "pgjobs enqueue" in t]
+            line = next(x for x in shell.splitlines() if x.startswith("pgjobs enqueue"))
+            run_sql(engine, "insert into vote values (2, 'bob', 3)")
+            words = line.split("#")[0].split()[1:]
+            queued = subprocess.run(
+                [*command, *words],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert queued.returncode == 0, queued.stderr
+            _wait(engine, "select score = 3 and votes = 1 from post_score where post_id = 2")
         finally:
             run.terminate()
             _, err = run.communicate(timeout=30)
