@@ -172,6 +172,17 @@ class CheckResult:
             "diff_seconds": round(self.diff_seconds, 6),
         }
 
+    def headline(self) -> str:
+        """One line: the job, whether it drifted, and what a recompute would write."""
+        s = self.stats
+        scope = f" ({len(self.keys)} item(s))" if self.keys is not None else ""
+        figures = (
+            f"insert {s.inserted:,}, update {s.updated:,}, delete {s.deleted:,},"
+            f" skip {s.skipped_missing_parent:,} (parent gone); unchanged {s.unchanged:,}"
+        )
+        head = "drift" if self.drift else "no drift"
+        return f"{self.job}{scope}: {head}: a recompute would {figures} [{self.seconds:.2f}s]"
+
     def run_result(self, *, error: str | None = None) -> RunResult:
         """This check as a run record (outcome ``checked``), its samples in
         ``detail["check"]`` as JSON would carry them."""
@@ -562,62 +573,6 @@ def _audit(conn: Connection, job: str) -> None:
         )
 
 
-# -- for the command line ------------------------------------------------------------
-def parse_keys(values: Sequence[str]) -> list[Any]:
-    """``pgjobs check --keys``: each value a JSON array for a composite scope
-    (``'[7, "b"]'``), else the value as it is (its column's type reads it)."""
-    out: list[Any] = []
-    for value in values:
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                parsed = json.loads(text)
-            except ValueError as exc:
-                raise ConfigError(f"--keys: {value!r} is not a JSON array: {exc}") from None
-            if not isinstance(parsed, list):
-                raise ConfigError(f"--keys: expected a JSON array, got {value!r}")
-            out.append(tuple(parsed))
-        else:
-            out.append(value)
-    return out
-
-
-def summary(result: CheckResult) -> str:
-    """What ``pgjobs check`` prints: a line of figures, then the samples."""
-    s, w = result.stats, result.on_the_way
-    scope = f" ({len(result.keys)} item(s))" if result.keys is not None else ""
-    figures = (
-        f"insert {s.inserted:,}, update {s.updated:,}, delete {s.deleted:,},"
-        f" skip {s.skipped_missing_parent:,} (parent gone); unchanged {s.unchanged:,}"
-    )
-    head = "drift" if result.drift else "no drift"
-    lines = [f"{result.job}{scope}: {head}: a recompute would {figures} [{result.seconds:.2f}s]"]
-    if w.changed or w.skipped_missing_parent:
-        lines.append(
-            f"  on their way (items queued or in flight, not drift): insert {w.inserted:,},"
-            f" update {w.updated:,}, delete {w.deleted:,}, skip {w.skipped_missing_parent:,}"
-        )
-    for kind in (*KINDS, ON_THE_WAY):
-        for item in result.samples.get(kind, ()):
-            lines.append(f"  {kind}: {_row_text(item)}")
-    return "\n".join(lines)
-
-
-def _row_text(item: Sample) -> str:
-    def text(values: Mapping[str, Any] | None) -> str:
-        return json.dumps(dict(values or {}), default=str)
-
-    key = text(item.key)
-    if item.old is not None and item.new is not None:
-        changed = item.changed or tuple(item.new)
-        old = {c: item.old[c] for c in changed}
-        new = {c: item.new[c] for c in changed}
-        return f"{key} {text(old)} -> {text(new)}"
-    if item.new is not None:
-        return f"{key} new {text(item.new)}"
-    return f"{key} old {text(item.old)}"
-
-
 def workers_of(job: Job, jobs: Iterable[Job]) -> list[QueueJob]:
     """The queue jobs (of pgjobs' built-in queue) among ``jobs`` that write
     ``job``'s target: their queued items are on their way to it."""
@@ -684,7 +639,7 @@ def verify(
             )
         else:
             if result.drift:
-                log.warning("pgjobs: %s", summary(result).splitlines()[0])
+                log.warning("pgjobs: %s", result.headline())
         with conn.begin():
             run_id = store.insert_run(conn, record, worker)
     return replace(record, run_id=run_id)
@@ -697,8 +652,6 @@ __all__ = [
     "CheckResult",
     "Sample",
     "check_on",
-    "parse_keys",
-    "summary",
     "verify",
     "workers_of",
 ]

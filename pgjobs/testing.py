@@ -170,7 +170,7 @@ def assert_no_drift(
         assert_no_drift(SCORES_RECOMPUTE, engine, workers=[SCORES_WORKER])
     """
     from .api import check
-    from .drift import summary
+    from .drift_text import summary
     from .results import Outcome
 
     if not isinstance(job, RecomputeJob):

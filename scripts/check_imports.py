@@ -46,6 +46,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "serve",
             "operate",
             "embedded",
+            "drift_text",
+            "markup",
         },
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),

@@ -477,7 +477,7 @@ def test_the_last_check_and_the_repairs_in_the_metrics_and_on_the_page(exams: En
 def test_a_composite_scope_is_checked_by_json_keys(
     exams: Engine, db_url: str, tmp_path: Path
 ) -> None:
-    from pgjobs.drift import parse_keys
+    from pgjobs.drift_text import parse_keys
 
     assert parse_keys(["[4, 2]", "7", '["a", "b"]']) == [(4, 2), "7", ("a", "b")]
     with pytest.raises(pgjobs.ConfigError, match="not a JSON array"):

@@ -161,7 +161,7 @@ def check(
     """
     import psycopg
 
-    from .. import drift
+    from .. import drift, drift_text
     from .._pg import first_line
     from ..api import check as check_job
 
@@ -170,7 +170,7 @@ def check(
     with _errors(), _logging(verbose, logging.WARNING):
         config, registry, url = _load(config_path, database)
         target = registry.get(job)
-        items = drift.parse_keys([*keys, *more_keys]) if keys else None
+        items = drift_text.parse_keys([*keys, *more_keys]) if keys else None
         workers = drift.workers_of(target, registry.jobs())
         try:
             result = check_job(
@@ -180,7 +180,7 @@ def check(
             click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
             sys.exit(EXIT_DATABASE)
         out = json.dumps(_jsonable(result.as_dict()), indent=2) if as_json else None
-        click.echo(out or drift.summary(result))
+        click.echo(out or drift_text.summary(result))
         if result.drift:
             sys.exit(EXIT_FAILED)
 
