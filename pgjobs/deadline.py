@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from psycopg import errors
@@ -49,7 +49,6 @@ from sqlalchemy.engine import Connection, Engine
 
 log = logging.getLogger(__name__)
 
-RV = TypeVar("RV")
 
 #: seconds: the default bound of a bookkeeping round trip (pgjobs' own
 #: statements, the pool's ping, the listener's check)
@@ -185,11 +184,6 @@ def bound_engine(engine: Engine, call_timeout: float, *, own: bool = True) -> No
     event.listen(engine, "checkout", for_use)
 
 
-def call_timeout_of(engine: Engine) -> float:
-    """The call timeout :func:`bound_engine` gave ``engine`` (the default if none)."""
-    return float(engine.__dict__.get(_BOUND_ENGINES, DEFAULT_CALL_TIMEOUT))
-
-
 def abandon_connection(raw: psycopg.Connection[Any], *, owner: bool = False) -> None:
     """Give ``raw`` up: shut its socket down, so that a wait blocked on it
     (in any thread) returns with an error at once, and the server sees the
@@ -250,7 +244,6 @@ __all__ = [
     "bound_engine",
     "bound_for_use",
     "bounded",
-    "call_timeout_of",
     "cancel_statement",
     "exceeded",
 ]

@@ -7,7 +7,7 @@ default), its ``last_seen``: one upsert a beat, from a thread of its own
 timeout. The same statement deletes the rows of schedulers quiet for more
 than :data:`PRUNE_AFTER`; a clean shutdown deletes its own row.
 
-:func:`read_schedulers` is what ``pgjobs status`` and the metrics read: a
+:func:`schedulers_query` is what ``pgjobs status`` and the metrics read: a
 scheduler not seen for :data:`QUIET_BEATS` of its own heartbeats is "gone
 quiet" (killed, frozen, or cut off from the database).
 """
@@ -19,15 +19,16 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from importlib import metadata
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
-from ._pg import driver, execute, first_line, send, set_local
+from ._pg import first_line, send, set_local
 from .durations import Duration, parse_duration
 from .errors import ConfigError
 
@@ -54,8 +55,15 @@ class Heartbeat:
     """A scheduler's heartbeat: :meth:`start` records it and beats every
     ``every``; :meth:`stop` ends it and deletes the row."""
 
-    def __init__(self, engine: Engine, schema: str, jobs: Sequence[str], every: Duration) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        connect: Callable[[], AbstractContextManager[Connection]],
+        schema: str,
+        jobs: Sequence[str],
+        every: Duration,
+    ) -> None:
+        #: a connection whose round trips have a deadline (:meth:`pgjobs.Runner.connect`)
+        self.connect = connect
         self.every = parse_duration(every, field="heartbeat_every")
         if self.every <= timedelta(0):
             raise ConfigError(f"heartbeat_every: must be positive, got {every!r}")
@@ -90,7 +98,7 @@ class Heartbeat:
         if thread is not None:
             thread.join(timeout=5.0)
         try:
-            with self.engine.connect() as conn, conn.begin():
+            with self.connect() as conn, conn.begin():
                 send(
                     conn,
                     set_local(_SETTINGS),
@@ -107,7 +115,7 @@ class Heartbeat:
             " values (%(id)s, %(host)s, %(pid)s, %(version)s, %(jobs)s, %(ms)s, now(), now())"
             " on conflict (id) do update set last_seen = excluded.last_seen"
         ).format(t=self.table)
-        with self.engine.connect() as conn, conn.begin():
+        with self.connect() as conn, conn.begin():
             send(conn, set_local(_SETTINGS), (query, self.params))
 
     def _loop(self) -> None:
@@ -127,7 +135,9 @@ class Heartbeat:
 
 
 def schedulers_query(schema: str) -> tuple[sql.Composed, tuple[int]]:
-    """The statement of :func:`read_schedulers` (the table must exist)."""
+    """The schedulers' rows, newest first, each with ``live`` (seen within
+    :data:`QUIET_BEATS` of its heartbeats) and ``quiet_seconds`` (the table
+    must exist): what the read model reads (:mod:`pgjobs.readmodel`)."""
     return (
         sql.SQL(
             "select id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen,"
@@ -139,26 +149,10 @@ def schedulers_query(schema: str) -> tuple[sql.Composed, tuple[int]]:
     )
 
 
-def read_schedulers(conn: Connection, schema: str) -> list[dict[str, Any]]:
-    """The schedulers' rows, newest first, each with ``live`` (seen within
-    :data:`QUIET_BEATS` of its heartbeats) and ``quiet_seconds`` (since its
-    last beat). Empty where the table does not exist (an older schema)."""
-    table = sql.Identifier(schema, "scheduler")
-    found = execute(
-        conn, "select to_regclass(%s) is not null", (table.as_string(driver(conn)),)
-    ).fetchone()
-    if not (found and found[0]):
-        return []
-    cursor = execute(conn, *schedulers_query(schema))
-    names = [d.name for d in cursor.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cursor]
-
-
 __all__ = [
     "PRUNE_AFTER",
     "QUIET_BEATS",
     "Heartbeat",
-    "read_schedulers",
     "schedulers_query",
     "version",
 ]

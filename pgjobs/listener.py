@@ -85,10 +85,12 @@ class Listener:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop listening and close the connection (within about 0.2 s)."""
+        """Stop listening and close the connection (within about 0.2 s; a
+        thread still connecting is left to end on its own, at most its
+        ``check_timeout`` later: it is a daemon, and what it opens it closes)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=self.check_timeout)
             self._thread = None
 
     @property
@@ -133,11 +135,11 @@ class Listener:
         fairy.detach()
         if not isinstance(conn, psycopg.Connection):
             raise TypeError(f"listening needs a psycopg 3 connection, got {type(conn).__name__}")
+        self._conn = conn
+        bound(conn, self.check_timeout)  # before its first round trip
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.rollback()
         conn.autocommit = True
-        self._conn = conn
-        bound(conn, self.check_timeout)
         for name in self.channels:
             conn.execute(sql.SQL("listen {}").format(sql.Identifier(name)))
         return conn

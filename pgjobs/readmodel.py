@@ -14,7 +14,7 @@ nothing and installing nothing:
   dead, and two ages: the oldest *live* item (``oldest_age``, what
   :func:`pgjobs.queue_stats` has always said) and the oldest *due* item
   (``oldest_due_age``, what the page and the metrics show);
-* the schedulers' heartbeats (:func:`pgjobs.heartbeat.read_schedulers`);
+* the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`);
 * optionally, the latest runs and dead items (the page's lists).
 
 Two round trips (:func:`pgjobs._pg.send`): the settings, the clock and

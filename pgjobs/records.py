@@ -10,6 +10,7 @@ run that a shutdown deadline cancelled."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
 from ._pg import connection_lost, first_line, later, send, set_local, sqlstate_of
 from .deadline import exceeded
@@ -337,6 +338,29 @@ class Ledger:
             )
         return replace(failure.result, run_id=int(recorded.scalar()))
 
+    def record_run(self, result: RunResult, conn: Connection) -> RunResult:
+        """Record ``result`` in the run log alone (``job_state`` untouched):
+        on ``conn`` (not in a transaction) if it still works, else on a fresh
+        connection; ``result`` with its ``run_id``, or as it is when neither
+        could write it (a cancelled run is not kept for later)."""
+        tries: list[AbstractContextManager[Connection]] = []
+        if not (conn.invalidated or conn.closed):
+            tries.append(contextlib.nullcontext(conn))
+        for use in [*tries, self.connect()]:
+            try:
+                with use as c, c.begin():
+                    later(c, *LOCAL_COMMIT_SQL)
+                    (recorded,) = send(c, self.store.run_query(result, self.worker))
+                return replace(result, run_id=int(recorded.scalar()))
+            except Exception:
+                log.debug(
+                    "pgjobs: %s: recording its %s run failed",
+                    result.job,
+                    result.outcome,
+                    exc_info=True,
+                )
+        return result
+
     def record_interrupted(self, result: RunResult) -> RunResult:
         """Write an interrupted run to the run log, on a fresh connection, if
         the database takes it (a standby does not: then it is kept, and
@@ -367,31 +391,6 @@ def cancelled(job: str, started_at: datetime, finished_at: datetime) -> RunResul
     )
 
 
-def write_run(
-    engine: Engine, conn: Connection, store: Store, result: RunResult, worker: str
-) -> RunResult:
-    """Record ``result`` in the run log alone (``job_state`` untouched), on
-    ``conn`` (not in a transaction) if it still works, else on a connection
-    of its own; ``result`` with its ``run_id``, or as it is when neither
-    could write it."""
-    for use in (conn, None):
-        try:
-            if use is None or use.invalidated:
-                with engine.connect() as other, other.begin():
-                    later(other, *LOCAL_COMMIT_SQL)
-                    (recorded,) = send(other, store.run_query(result, worker))
-            else:
-                with use.begin():
-                    later(use, *LOCAL_COMMIT_SQL)
-                    (recorded,) = send(use, store.run_query(result, worker))
-            return replace(result, run_id=int(recorded.scalar()))
-        except Exception:
-            log.debug(
-                "pgjobs: %s: recording its %s run failed", result.job, result.outcome, exc_info=True
-            )
-    return result
-
-
 __all__ = [
     "Failure",
     "Interruptions",
@@ -400,5 +399,4 @@ __all__ = [
     "cancelled",
     "interruption",
     "tick_bound",
-    "write_run",
 ]

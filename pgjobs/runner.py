@@ -181,6 +181,10 @@ class Runner:
         connection; else keep it for :meth:`flush` (:class:`Ledger`)."""
         return self.ledger.record_failure(failure, conn)
 
+    def record_run(self, result: RunResult, conn: Connection) -> RunResult:
+        """Write ``result`` to the run log alone (:class:`Ledger`)."""
+        return self.ledger.record_run(result, conn)
+
     def record_interrupted(self, result: RunResult) -> RunResult:
         """Write an interrupted run to the run log, or keep it for later
         (:class:`Ledger`); its job's state is left as it is."""

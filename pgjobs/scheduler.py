@@ -185,7 +185,7 @@ class Scheduler:
         self.preflight = Preflight(self.runner)
         self._flight = InFlight()
         #: this scheduler's row in pgjobs.scheduler, while it runs
-        self.heartbeat = Heartbeat(self.runner.engine, schema, list(self.jobs), heartbeat_every)
+        self.heartbeat = Heartbeat(self.runner.connect, schema, list(self.jobs), heartbeat_every)
         self._triggers = self._make_triggers()
         #: wake queue jobs on enqueue (LISTEN does not work behind a transaction pooler)
         self.listen = (not transaction_pooling()) if listen is None else listen
@@ -288,19 +288,23 @@ class Scheduler:
             if self.check and not self.strict:
                 self.preflight.check(self.registry.entry(n) for n in self.jobs)
             self.heartbeat.start()
-            self._stopping.clear()
-            self._renew_workers()
-            aps = BackgroundScheduler(
-                timezone=self.timezone,
-                executors={"default": ThreadPoolExecutor(self.max_workers)},
-                job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
-            )
-            self._add_entries(aps)
-            with self._wake_lock:
-                self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
-            aps.start()
-            self._aps = aps
-            self._start_listener()
+            try:
+                self._stopping.clear()
+                self._renew_workers()
+                aps = BackgroundScheduler(
+                    timezone=self.timezone,
+                    executors={"default": ThreadPoolExecutor(self.max_workers)},
+                    job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
+                )
+                self._add_entries(aps)
+                with self._wake_lock:
+                    self._pool = WakePool(self.max_workers, thread_name_prefix="pgjobs-wake")
+                aps.start()
+                self._aps = aps
+                self._start_listener()
+            except BaseException:
+                self.heartbeat.stop()  # a scheduler that did not start does not say it lives
+                raise
             log.info(
                 "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
             )
@@ -652,7 +656,7 @@ class Scheduler:
         if not queues or self._stopping.is_set():
             return
         try:
-            with self.runner.engine.connect() as conn:
+            with self.runner.connect() as conn:
                 renew(conn, queues, self.runner.namespace, self.runner.store.schema)
         except Exception:
             log.debug("pgjobs: could not record the queue workers", exc_info=True)

@@ -62,7 +62,7 @@ class Snapshot:
     queues: list[QueueView] = field(default_factory=list)
     dead: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
-    #: the schedulers' heartbeats (:func:`pgjobs.heartbeat.read_schedulers`)
+    #: the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import Connection, Engine, RootTransaction
+from sqlalchemy.engine import Connection, RootTransaction
 
 from . import logs
 from ._pg import (
@@ -60,7 +60,6 @@ from .records import (
     QuietTicks,
     cancelled,
     interruption,
-    write_run,
 )
 from .results import Execution, Outcome, RunResult
 from .store import JobState, Store
@@ -72,7 +71,6 @@ log = logging.getLogger("pgjobs.runner")
 class Host(Protocol):
     """What a tick needs of its :class:`~pgjobs.Runner`."""
 
-    engine: Engine
     namespace: str
     store: Store
     worker: str
@@ -82,6 +80,8 @@ class Host(Protocol):
     def clock(self) -> datetime: ...
 
     def record_failure(self, failure: Failure, conn: Connection) -> RunResult: ...
+
+    def record_run(self, result: RunResult, conn: Connection) -> RunResult: ...
 
     def record_interrupted(self, result: RunResult) -> RunResult: ...
 
@@ -156,7 +156,7 @@ class Tick:
         stop = self._due_and_work()
         if stop is not None:
             return stop
-        if self.cancelled:
+        if self.cancelled and self._end():  # no more cancels: its record follows
             return self._record_cancelled()
         return self._locked_run()
 
@@ -191,7 +191,7 @@ class Tick:
             self.job.name,
             result.seconds,
         )
-        return write_run(self.runner.engine, self.conn, self.store, result, self.runner.worker)
+        return self.runner.record_run(result, self.conn)
 
     # -- steps 1 and 2 --------------------------------------------------------------
     def _due_and_work(self) -> RunResult | None:

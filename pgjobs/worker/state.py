@@ -20,6 +20,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from .._pg import driver, sqlstate_of
+from .._pg import error_text as _error_text
 from ..database import transaction_pooling
 from ..errors import ConfigError
 from ..jobs import QueueJob, RunContext
@@ -113,14 +114,7 @@ def error_text(exc: BaseException) -> str:
     """What an item's ``last_error`` says: the driver's error (not
     SQLAlchemy's wrapper, which repeats the SQL and adds a link), with its
     SQLSTATE when the database gave one."""
-    orig = getattr(exc, "orig", None)
-    if isinstance(orig, BaseException):
-        exc = orig
-    state = sqlstate_of(exc)
-    message = f"{type(exc).__name__}: {str(exc).strip()}" + (
-        f" (SQLSTATE {state})" if state else ""
-    )
-    return message if len(message) <= 2000 else message[:1997] + "..."
+    return _error_text(exc, limit=2000, sqlstate=True)
 
 
 # -- savepoints -----------------------------------------------------------------------
