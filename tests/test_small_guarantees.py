@@ -322,3 +322,65 @@ def test_a_keys_table_dropped_under_the_worker_is_made_again(db_url: str, engine
         assert result.outcome == "ran" and result.items == 1 and result.stats.inserted == 2
     finally:
         one.dispose()
+
+
+PARTITIONED = """
+create table item (id int primary key);
+create table scored (item_id int not null references item on delete cascade,
+                     n int not null, v int not null, primary key (item_id, n))
+    partition by range (item_id);
+create table scored_low partition of scored for values from (0) to (100);
+create table scored_high partition of scored for values from (100) to (200);
+insert into item values (1), (101);
+insert into scored values (1, 1, 1), (101, 1, 1);
+"""
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["as-is", "small-path-forced"])
+def test_a_partitioned_target_keeps_the_rows_of_other_items(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, small: bool
+) -> None:
+    # Item 1's rows all go (its new rows are none). Item 101's row sits in
+    # another partition at the same row version (ctid): matched by ctid
+    # alone, the one statement deleted it too. A partitioned target takes
+    # the general writer; forced onto the small path, its delete matches
+    # by key as well.
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(PARTITIONED)
+            pos = conn.exec_driver_sql(
+                "select (select ctid from scored_low) = (select ctid from scored_high)"
+            ).scalar()
+        assert pos, "both rows at one row version: the case under test"
+        runner = pgjobs.Runner(engine)
+        runner.install()
+        wrote: list[bool] = []
+        if small:
+            monkeypatch.setattr(pgjobs.worker.tick, "small_enough", lambda t, keys: True)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            result = WRITE_SMALL(*args, **kwargs)
+            wrote.append(result is not None)
+            return result
+
+        monkeypatch.setattr(pgjobs.worker.tick, "write_small", spy)
+        job = pgjobs.QueueJob(
+            name="scores",
+            target="scored",
+            scope="item_id",
+            compute="select item_id, n, v from scored where false and item_id = any(:keys)",
+            every="1h",
+        )
+        with engine.begin() as conn:
+            pgjobs.enqueue(conn, "scores", [1])
+        result = runner.tick(job, force=True)
+        runner.close()
+        assert result.outcome == "ran", result.error
+        assert result.stats.deleted == 1
+        assert wrote == ([True] if small else [])
+        with engine.connect() as conn:
+            rows = conn.execute(text("select item_id, n, v from scored order by 1")).all()
+        assert [tuple(r) for r in rows] == [(101, 1, 1)]
+    finally:
+        engine.dispose()

@@ -125,16 +125,20 @@ class SmallDiff:
 
     # -- the parts ---------------------------------------------------------------------
     @property
-    def victims(self) -> sql.Composed:
-        """Where the rows to delete are: the difference's deletes not left
+    def victim(self) -> sql.Composed:
+        """Is ``d``'s row one to delete? The difference's deletes not left
         out, and the skipped rows that exist (an update to a dead parent)."""
         dk = self.plan.difference_key
         on = equal("bad", dk, "d", dk)
         return sql.SQL(
-            "select d.pgjobs_tid from d where d.pgjobs_tid is not null and ((d.op = 'd'"
-            " and not exists (select from bad where {on})) or exists (select from bad where {on}"
-            " and not bad.defer))"
+            "d.pgjobs_tid is not null and ((d.op = 'd' and not exists (select from bad where {on}))"
+            " or exists (select from bad where {on} and not bad.defer))"
         ).format(on=on)
+
+    @property
+    def victims(self) -> sql.Composed:
+        """Where the rows to delete are (their row versions)."""
+        return sql.SQL("select d.pgjobs_tid from d where {}").format(self.victim)
 
     def _checks(self, scope: Sequence[str]) -> sql.Composed:
         """``chk``: ``ok`` (every new row within the scope, its key present
@@ -286,9 +290,14 @@ class SmallDiff:
         # be any size. A row updated meanwhile by another transaction is not
         # found so; the counts then fall short of the plan, and the caller
         # takes the general writer (see read).
+        # ... and by key as well: a row version is unique in one table only,
+        # and a partition or an inheritance child of the target may hold
+        # another row at the same one
         delete = sql.SQL(
-            "del as (delete from {t} as t where t.ctid = any(array({victims})) returning 1)"
-        ).format(t=t, victims=self.victims)
+            "del as (delete from {t} as t where t.ctid = any(array({victims}))"
+            " and exists (select from d where d.pgjobs_tid = t.ctid and {on} and {victim})"
+            " returning 1)"
+        ).format(t=t, victims=self.victims, on=equal("t", plan.key, "d", dk), victim=self.victim)
         if plan.values:
             sets = sql.SQL(", ").join(
                 sql.SQL("{} = {}").format(sql.Identifier(v), sql.Identifier("d", plan.new[v]))

@@ -50,7 +50,7 @@ class _Composed:
 
 def small_enough(t: Tick, keys: int) -> bool:
     """Would a batch of ``keys`` keys take the one-statement write?"""
-    return keys <= SMALL_KEYS and t.target.self_reference is None
+    return keys <= SMALL_KEYS and t.target.self_reference is None and not t.target.partitioned
 
 
 def write_small(
