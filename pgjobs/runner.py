@@ -217,6 +217,7 @@ class Runner:
         next_due: datetime | None = None,
         force: bool = False,
         run_paused: bool = False,
+        woken: bool = False,
     ) -> RunResult:
         """Run one tick of ``job`` and return its :class:`RunResult`.
 
@@ -224,13 +225,24 @@ class Runner:
         replicas know the job is done until then). ``force`` ignores the
         schedule and the backoff (never the lock); ``run_paused`` a pause
         (``pgjobs pause``), which otherwise ends the tick ``paused``.
+        ``woken``: the caller knows that work just arrived (a queue job's
+        enqueue notification, or a tick after one that took items): the
+        round trip that checks for work before the lock is left out, and
+        the job's state is read under the lock only (a queue job whose work
+        check is pgjobs' own; others check as always).
         """
         if self.ledger.failures_kept:
             self.flush()
         with self.connect() as conn:
             self._ensure(conn)
             result = self.tick_on(
-                conn, job, progress=progress, next_due=next_due, force=force, run_paused=run_paused
+                conn,
+                job,
+                progress=progress,
+                next_due=next_due,
+                force=force,
+                run_paused=run_paused,
+                woken=woken,
             )
         if self.ledger.late_kept and result.outcome is not Outcome.INTERRUPTED:
             try:
@@ -248,6 +260,7 @@ class Runner:
         next_due: datetime | None = None,
         force: bool = False,
         run_paused: bool = False,
+        woken: bool = False,
     ) -> RunResult:
         """:meth:`tick` on a connection of the caller's (not in a transaction).
         Each of its round trips has the job's deadline (:func:`tick_bound`)."""
@@ -255,6 +268,7 @@ class Runner:
             self, conn, job, body_of(job), progress=progress, next_due=next_due, force=force
         )
         tick.run_paused = run_paused
+        tick.woken = woken
         with self._running_lock:
             self._running.add(tick)
         try:

@@ -533,10 +533,11 @@ class Scheduler:
                 if phase == "claim" and done is not None and done >= job.batch_size:
                     self._call(name, index + 1)
 
+        woken = False  # the first tick: called by a wake-up (again), or by its entry
         while not self._stopping.is_set():
             with self._wake_lock:
-                slot.again = False
-            result = self._tick(job, progress)
+                woken, slot.again = woken or slot.again, False
+            result = self._tick(job, progress, woken=woken)
             if result is None:
                 return
             if result.outcome is Outcome.INTERRUPTED and result.retry_after is not None:
@@ -554,12 +555,17 @@ class Scheduler:
             listening = self.listener is not None and self.listener.listening.is_set()
             if not (more_at_once(job, result, listening=listening) or slot.again):
                 return
+            woken = True  # the next tick follows one that took items, or a wake-up
 
-    def _tick(self, job: Job, progress: Progress | None = None) -> RunResult | None:
+    def _tick(
+        self, job: Job, progress: Progress | None = None, *, woken: bool = False
+    ) -> RunResult | None:
         try:
             if not self.preflight.ready(job):
                 return None  # set aside: failing its pre-flight check, backed off
-            result = self.runner.tick(job, next_due=self._next_due(job), progress=progress)
+            result = self.runner.tick(
+                job, next_due=self._next_due(job), progress=progress, woken=woken
+            )
         except Exception as exc:
             if unavailable(exc):
                 # a tick that could not start: the database is away (or read-only,

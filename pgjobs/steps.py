@@ -137,6 +137,8 @@ class Tick:
         self.next_due = next_due
         self.force = force
         self.run_paused = False
+        #: work just arrived (Runner.tick's ``woken``): no work check before the lock
+        self.woken = False
         #: a shutdown deadline cancelled this tick (:meth:`cancel`); once
         #: ``ending``, its statements are its own rollback and record: no more cancels
         self.cancelled = False
@@ -196,7 +198,13 @@ class Tick:
     # -- steps 1 and 2 --------------------------------------------------------------
     def _due_and_work(self) -> RunResult | None:
         """Steps 1 and 2, no lock: the result of a tick that stops here, or
-        ``None`` to go on."""
+        ``None`` to go on. A woken tick whose body checks for work in one
+        statement of its own skips both: what they would stop, the state
+        read under the lock stops too (step 3), and a claim that finds
+        nothing ends the tick ``idle``; the round trip saved is a fifth of
+        a one-item tick's."""
+        if self.woken and self.body.work_query(self.job, self.ctx) is not None:
+            return None
         quick = self._due_and_work_at_once()
         error: Exception | None = None
         has_work = False

@@ -79,7 +79,11 @@ def records(engine: Engine) -> list[dict[str, Any]]:
 
 
 def age(engine: Engine, minutes: float, **where: Any) -> None:
-    """Make records look ``minutes`` old (their worker stopped renewing them)."""
+    """Make records look ``minutes`` old (their worker stopped renewing
+    them), and this process's notes of the records its ticks sent as old
+    (time passed for them too: see pgjobs.flow.record_for_tick)."""
+    for key in pgjobs.flow._recorded:
+        pgjobs.flow._recorded[key] -= minutes * 60
     cond = " and ".join(f"{k} = :{k}" for k in where) or "true"
     with engine.begin() as conn:
         conn.execute(
@@ -115,13 +119,26 @@ def test_r7_apart(apart: Case) -> None:
 
 
 # -- what the workers record ---------------------------------------------------------------------
-def test_a_tick_records_its_job_once_per_fresh_period(apart: Case) -> None:
+def test_a_tick_records_its_job_once_per_fresh_period(
+    apart: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """run_once of a bare queue job (no scheduler) records it; a tick while
-    that record is fresh writes nothing (an index probe)."""
+    that record is fresh writes nothing, and within FRESH / 2 of the
+    committed tick that sent it this process sends no statement at all."""
+    sent: list[str] = []
+    record_query = pgjobs.flow.record_query
+
+    def spy(job: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(job.name)
+        return record_query(job, *args, **kwargs)
+
+    monkeypatch.setattr(pgjobs.flow, "record_query", spy)
     with apart.engine.begin() as conn:
         conn.execute(text("delete from pgjobs.flow_worker"))
+    pgjobs.flow._recorded.clear()  # a new process: it sent none
     apart.change(X)
     ran(apart.start_worker())
+    assert sent == ["w"]
     (first,) = records(apart.engine)
     assert (first["job"], first["grp"], first["scope"], first["flow"]) == (
         "w",
@@ -133,6 +150,11 @@ def test_a_tick_records_its_job_once_per_fresh_period(apart: Case) -> None:
     apart.change(X)
     ran(apart.start_worker())
     assert records(apart.engine) == [first]  # same xid, same seen_at
+    assert sent == ["w"]  # the committed first tick was seconds ago: not asked again
+    age(apart.engine, 0.75)  # past FRESH / 2 here, still fresh there: asked, writes nothing
+    apart.change(X)
+    ran(apart.start_worker())
+    assert sent == ["w", "w"] and records(apart.engine)[0]["xid"] == first["xid"]
     age(apart.engine, 2)  # older than FRESH: the next tick renews it
     apart.change(X)
     ran(apart.start_worker())

@@ -450,3 +450,48 @@ def test_a_flow_worker_waits_for_a_recompute_s_chunk_and_runs_right_after_it(db:
             result = tick.result(WAIT)
     assert result.outcome is Outcome.RAN and result.items == 1
     assert derived(db) == from_scratch(db)
+
+
+# -- a woken tick ---------------------------------------------------------------------------
+def test_a_woken_tick_leaves_out_the_work_check_and_its_state_read_under_the_lock_decides(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Runner.tick(woken=True)`` (what the scheduler passes after a
+    notification, or after a tick that took items) sends no work check
+    before the lock; a woken tick with nothing to claim ends ``idle``, and
+    one of a paused job ``paused``, by the state it reads under the lock."""
+    sent: list[str] = []
+    execute = psycopg.Connection.execute
+
+    def spy(self: psycopg.Connection, query: object, *args: object, **kwargs: object) -> object:
+        sent.append(query.as_string(self) if hasattr(query, "as_string") else str(query))
+        return execute(self, query, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(psycopg.Connection, "execute", spy)
+    job = make_job(every="1h")
+    runner = pgjobs.Runner(db)
+    pending = "and not_before <= now() order by not_before limit 1) is not null"
+    try:
+        assert runner.tick(job).outcome is Outcome.IDLE
+        assert sum(pending in s for s in sent) == 1  # not woken: checked, no lock taken
+        assert not any("pg_advisory_xact_lock" in s for s in sent)
+        sent.clear()
+        assert runner.tick(job, woken=True).outcome is Outcome.IDLE
+        assert not any(pending in s for s in sent)
+        assert any("pg_advisory_xact_lock" in s for s in sent)  # the lock, then an empty claim
+        add_parents(db, [1])
+        enqueue_committed(db, [1])
+        sent.clear()
+        result = runner.tick(job, woken=True)
+        assert result.outcome is Outcome.RAN and result.items == 1
+        assert not any(pending in s for s in sent)
+        enqueue_committed(db, [1])
+        with db.begin() as conn:
+            conn.execute(
+                text("update pgjobs.job_state set paused_at = now() where job = :j"),
+                {"j": job.name},
+            )
+        assert runner.tick(job, woken=True).outcome is Outcome.PAUSED
+        assert queue_depth(db) == 1
+    finally:
+        runner.close()

@@ -26,8 +26,8 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import driver, later
-from ..flow import record_query
+from .._pg import driver
+from ..flow import record_for_tick
 from ..jobs import Locks, QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
@@ -83,9 +83,12 @@ class QueueBody:
         """The reflection cache's catalog check (see reflect_target), read
         by :meth:`execute`; and, after the write lock, this job's record for
         recomputes run elsewhere (pgjobs.flow), unless a fresh one is there
-        (then an index probe)."""
+        (then an index probe) or this process sent it lately (then nothing:
+        :func:`pgjobs.flow.record_for_tick`)."""
         fingerprint = prefetch_fingerprint(conn, job.target, job.parents)
-        later(conn, *record_query(job, ctx.namespace, ctx.schema))
+        committed = record_for_tick(conn, job, ctx.namespace, ctx.schema)
+        if committed is not None:
+            ctx.after_commit.append(committed)
         return fingerprint
 
     def locks(self, job: QueueJob, ctx: RunContext) -> Locks:
