@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -122,7 +122,6 @@ def _run(
         chunk_rows=job.chunk_rows if chunked and job.chunk_parents is None else None,
         progress=ctx.progress,
     ) as writer:
-        repaired = _repaired_sample(conn, writer)
         for n, chunk in enumerate(writer.chunks):
             if n and ctx.checkpoint is not None:
                 ctx.checkpoint()  # commit the chunks so far, go on in a new transaction
@@ -132,6 +131,7 @@ def _run(
             writer.write_chunk(chunk)
         if flow is not None:
             flow.prune()
+        repaired = _repaired_sample(conn, writer)  # goes out with the finish
         result = writer.finish()
     if chunked:
         later(conn, sql.SQL("drop table if exists {}").format(staged.table))
@@ -145,8 +145,8 @@ def _run(
         "flow": plan.state,
         **result.detail,
     }
-    if repaired:
-        detail["repaired"] = repaired
+    if sample := repaired():
+        detail["repaired"] = sample
     return Execution(
         stats=result.stats,
         compute_seconds=compute_seconds,
@@ -160,14 +160,18 @@ def _run(
 REPAIRED_SAMPLE = 5
 
 
-def _repaired_sample(conn: Connection, writer: DiffWriter) -> dict[str, list[dict[str, Any]]]:
-    """The first keys of the difference to insert, update and delete, before
-    any is written: on a target that workers maintain, what the queue path
-    missed (the status page shows them, ``docs/drift.md``). One statement,
-    a top-N of each op over the difference (no row lock); none when the
-    difference is empty."""
+def _repaired_sample(
+    conn: Connection, writer: DiffWriter
+) -> Callable[[], dict[str, list[dict[str, Any]]]]:
+    """The first keys of the difference inserted, updated and deleted: on a
+    target that workers maintain, what the queue path missed (the status
+    page shows them, ``docs/drift.md``). One statement, a top-N of each op
+    over the difference (no row lock), queued after the writes: flow's
+    exclusions have taken the keys a worker rewrote out of the difference
+    by then (those were the worker's, not repaired). Returns its reader
+    (after the next round trip); none when the difference was empty."""
     if not any(writer.counts.values()):
-        return {}
+        return dict
     plan = writer.plan
     keys = [sql.Identifier(plan.new[k]) for k in plan.key]
     cols = sql.SQL(", ").join(keys)
@@ -178,12 +182,18 @@ def _repaired_sample(conn: Connection, writer: DiffWriter) -> dict[str, list[dic
         for op, n in writer.counts.items()
         if n
     ]
-    (found,) = send(conn, (sql.SQL(" union all ").join(parts), None))
+    found = later(conn, sql.SQL(" union all ").join(parts))
     names = {"i": "inserted", "u": "updated", "d": "deleted"}
-    out: dict[str, list[dict[str, Any]]] = {}
-    for row in found.all():
-        out.setdefault(names[str(row[0])], []).append(dict(zip(plan.key, row[1:], strict=True)))
-    return out
+
+    def read() -> dict[str, list[dict[str, Any]]]:
+        assert found.result is not None
+        out: dict[str, list[dict[str, Any]]] = {}
+        for row in found.result.all():
+            key = dict(zip(plan.key, row[1:], strict=True))
+            out.setdefault(names[str(row[0])], []).append(key)
+        return out
+
+    return read
 
 
 class _Flow:

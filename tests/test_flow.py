@@ -264,8 +264,12 @@ def r1(c: Case) -> pgjobs.RunResult:
 
 
 def test_r1_a_worker_rewrites_x_after_the_compute_read_it(case: Case) -> None:
-    assert r1(case).detail["excluded"] == 2  # X's two rows, left out
+    result = r1(case)
+    assert result.detail["excluded"] == 2  # X's two rows, left out
     assert case.wrong() == []
+    # what the worker wrote is the worker's: not among what the recompute repaired
+    repaired = result.detail.get("repaired", {})
+    assert all(key["item_id"] != X for keys in repaired.values() for key in keys), repaired
 
 
 def test_r1_without_the_exclusion_the_recompute_overwrites_the_worker(
