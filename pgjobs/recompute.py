@@ -228,11 +228,21 @@ class _Flow:
         as that snapshot sees them, and the lock given back: one round trip.
         Records that no longer give the work check's plan give the run up."""
         write_lock = lock_name(ctx.namespace, job.group or job.name)
-        _, taken = send(
-            conn,
-            (WAIT_SESSION_SQL, (write_lock,)),
-            snapshot_query(ctx.schema, target.label, write_lock),
-        )
+        lock = later(conn, WAIT_SESSION_SQL, (write_lock,))
+        try:
+            (taken,) = send(conn, snapshot_query(ctx.schema, target.label, write_lock))
+        except Exception:
+            if lock.result is not None:
+                # granted, and the statement that gives it back failed: a
+                # session lock outlives the rollback, and a pooled
+                # connection must never go back holding the group lock
+                log.warning(
+                    "pgjobs: %s: taking S0 failed with the write lock held; dropping the"
+                    " connection",
+                    job.name,
+                )
+                conn.invalidate()
+            raise
         row = taken.one()
         assert row is not None
         flow = cls(conn, job, ctx, target, plan, str(row[0]))

@@ -504,3 +504,25 @@ def test_a_short_soak_ends_exact_with_no_error(db_url: str) -> None:
     assert result["monitor_max"] == 0
     assert result["strict"] == 0
     assert result["lags"] > 0
+
+
+def test_a_recompute_whose_s0_fails_does_not_keep_the_write_lock(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S0's statement runs after the session-level write lock's grant and
+    gives the lock back; when it fails, the lock would outlive the rollback
+    on a pooled connection, and every worker of the group would wait for it.
+    The connection is dropped instead: the worker runs right after."""
+    failing = "select 1 / (%s = %s)::int, null, null"
+    monkeypatch.setattr(
+        pgjobs.recompute, "snapshot_query", lambda schema, label, unlock: (failing, (1, 2))
+    )
+    result = case.start_recompute().result(WAIT)
+    assert result.outcome in ("failed", "interrupted"), result
+    with case.engine.connect() as conn:
+        held = conn.execute(
+            text("select count(*) from pg_locks where locktype = 'advisory' and granted")
+        ).scalar_one()
+    assert held == 0
+    case.change(X)
+    assert ran(case.start_worker()).items == 1
