@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         "--show", action="store_true", help="print the last tick's statements (* = new round trip)"
     )
     parser.add_argument(
+        "--polled",
+        action="store_true",
+        help="ticks as a poll runs them (with the work check before the lock), not as the"
+        " Scheduler runs a tick an enqueue woke (Runner.tick(woken=True))",
+    )
+    parser.add_argument(
         "--paths",
         type=int,
         nargs="*",
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 w0, c0 = time.perf_counter(), time.process_time()
                 if args.profile:
                     profile.enable()
-                result = runner.tick(job, force=True)
+                result = runner.tick(job, force=True, woken=not args.polled)
                 if args.profile:
                     profile.disable()
                 walls.append(time.perf_counter() - w0)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert result.outcome == "ran" and result.items == 1, result
         engine.dispose()
     print(
-        f"one-item tick ({args.ticks} ticks): statements {statistics.median(stmts)},"
+        f"one-item tick ({'polled' if args.polled else 'woken'}, {args.ticks} ticks): statements {statistics.median(stmts)},"
         f" round trips {statistics.median(trips)},"
         f" wall p50 {1000 * statistics.median(walls):.2f} ms,"
         f" client CPU p50 {1000 * statistics.median(cpus):.2f} ms"

@@ -252,9 +252,10 @@ def flush(conn: Connection) -> None:
 
 
 def _result(cur: psycopg.Cursor[Any]) -> Result:
-    if cur.description is None:
+    description = cur.description  # (psycopg builds it anew on each access)
+    if description is None:
         return Result(cur.rowcount)
-    return Result(cur.rowcount, cur.fetchall(), tuple(d.name for d in cur.description))
+    return Result(cur.rowcount, cur.fetchall(), tuple(d.name for d in description))
 
 
 def _composable(statement: sql.Composable | str) -> sql.Composable:

@@ -28,6 +28,12 @@ TRY_XACT_SHARED_SQL = "select pg_try_advisory_xact_lock_shared(hashtextextended(
 #: ... and what a flow worker takes: waited for, briefly (FLOW_WAIT), behind a
 #: recompute that writes a chunk, so that it gets in between two chunks
 WAIT_XACT_SHARED_SQL = "select true from pg_advisory_xact_lock_shared(hashtextextended(%s, 0))"
+#: ... with ``lock_timeout`` set first, in the same statement: a CASE evaluates
+#: its WHEN before its THEN, and the lock's subquery only when THEN needs it
+WAIT_XACT_SHARED_WITHIN_SQL = (
+    "select case when set_config('lock_timeout', %s, true) is not null then"
+    " (select true from pg_advisory_xact_lock_shared(hashtextextended(%s, 0))) end"
+)
 #: two locks, both or none (a recompute that does not flow: its own and the group's)
 TRY_XACT_BOTH_SQL = (
     "select pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
@@ -74,6 +80,7 @@ __all__ = [
     "UNLOCK_SESSION_SQL",
     "WAIT_SESSION_SQL",
     "WAIT_XACT_SHARED_SQL",
+    "WAIT_XACT_SHARED_WITHIN_SQL",
     "WAIT_XACT_SQL",
     "lock_name",
     "recompute_lock_name",

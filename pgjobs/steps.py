@@ -48,6 +48,7 @@ from .locking import (
     TRY_XACT_BOTH_SQL,
     TRY_XACT_SQL,
     WAIT_XACT_SHARED_SQL,
+    WAIT_XACT_SHARED_WITHIN_SQL,
     lock_name,
     recompute_lock_name,
     release_session_lock,
@@ -319,8 +320,14 @@ class Tick:
             timeout = self.job.lock_timeout
             assert isinstance(timeout, timedelta)
             wait = min(timeout, FLOW_WAIT) if timeout > timedelta(0) else FLOW_WAIT
-            later(self.conn, _LOCK_TIMEOUT, (f"{int(wait.total_seconds() * 1000)}ms",))
-        lock = later(self.conn, statement, self.lock_names)
+            # the wait's bound set in the same statement, before the lock
+            lock = later(
+                self.conn,
+                WAIT_XACT_SHARED_WITHIN_SQL,
+                (f"{int(wait.total_seconds() * 1000)}ms", *self.lock_names),
+            )
+        else:
+            lock = later(self.conn, statement, self.lock_names)
         state = later(
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
@@ -587,7 +594,6 @@ _SESSION_CHANGED = (
 _told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
-_LOCK_TIMEOUT = sql.SQL("select set_config('lock_timeout', %s, true)")
 #: the longest a shutdown's cancel request may take (connect, send, the answer)
 CANCEL_TIMEOUT = 2.0
 #: the longest a flow worker waits for the group's write lock (a recompute's

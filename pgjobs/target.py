@@ -307,20 +307,27 @@ _GENERIC_PLAN, _PLAN_BACK = swap_settings({"plan_cache_mode": "force_generic_pla
 Prefetched = Callable[[], Any]
 
 
+#: the check, and the setting given back in its own select list: that runs
+#: after the statement's plan was chosen (a statement saved)
+_CHECK = sql.SQL("{}, ({})").format(
+    sql.SQL(_FINGERPRINT), sql.SQL(_PLAN_BACK.as_string(None).removeprefix("select "))
+)
+
+
 def _queue_fingerprint(conn: Connection, names: list[str]) -> Prefetched:
     for statement in _GENERIC_PLAN:
         later(conn, statement)
     # prepared as the connection prepares (psycopg's prepare_threshold:
     # after 5 runs by default; never where it is None, e.g. behind a
     # transaction-pooling pgbouncer)
-    check = later(conn, _FINGERPRINT, {"names": names, "target": names[0]})
-    later(conn, _PLAN_BACK)
+    check = later(conn, _CHECK, {"names": names, "target": names[0]})
 
     def read() -> Any:
         if check.result is None:  # not sent yet
             flush(conn)
         assert check.result is not None
-        return check.result.one()
+        row = check.result.one()
+        return None if row is None else row[:2]
 
     return read
 
