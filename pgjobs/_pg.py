@@ -138,14 +138,20 @@ class Result:
 
 
 class Later:
-    """A statement queued by :func:`later`; :attr:`result` once it was sent."""
+    """A statement queued by :func:`later`; :attr:`result` once it was sent.
+    A *guarded* one (``later(..., guarded=True)``) keeps its failure in
+    :attr:`error` instead of raising it (see :func:`send`)."""
 
-    __slots__ = ("params", "result", "statement")
+    __slots__ = ("error", "guarded", "params", "result", "statement")
 
-    def __init__(self, statement: sql.Composable | str, params: Params) -> None:
+    def __init__(
+        self, statement: sql.Composable | str, params: Params, guarded: bool = False
+    ) -> None:
         self.statement = statement
         self.params = params
+        self.guarded = guarded
         self.result: Result | None = None
+        self.error: psycopg.Error | None = None
 
 
 #: statements waiting for the next round trip, per driver connection
@@ -154,11 +160,26 @@ _queued: weakref.WeakKeyDictionary[psycopg.Connection[Any], list[Later]] = (
 )
 
 
-def later(conn: Connection, statement: sql.Composable | str, params: Params = None) -> Later:
+def later(
+    conn: Connection,
+    statement: sql.Composable | str,
+    params: Params = None,
+    *,
+    guarded: bool = False,
+) -> Later:
     """Queue ``statement`` (one SQL command) to go out, in order, with the next
     :func:`send` on ``conn``: a write or a setting whose result nobody waits
-    for, or one the caller reads afterwards from the returned handle."""
-    item = Later(statement, params)
+    for, or one the caller reads afterwards from the returned handle.
+
+    ``guarded``: work done ahead on speculation, whose caller looks at it
+    later and takes another way when it failed. Guarded statements come
+    after every unguarded one of the round trip (the first one guarded is
+    best a savepoint, to roll back to): when one fails, and every
+    statement before the guarded ones went through, the error is kept on
+    the guarded handles (:attr:`Later.error`) and not raised, and the
+    transaction is left aborted for their caller to roll back to its
+    savepoint."""
+    item = Later(statement, params, guarded)
     _queued.setdefault(driver(conn), []).append(item)
     return item
 
@@ -182,7 +203,9 @@ def send(
     raw = driver(conn)
     todo = [*_queued.pop(raw, ()), *(Later(s, p) for s, p in statements)]
     begun = raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-    if begun and commit is None and len(todo) == 1:
+    if any(item.guarded for item in todo):
+        _pipeline(raw, todo, commit)  # (where a failure can be kept on its handles)
+    elif begun and commit is None and len(todo) == 1:
         item = todo[0]
         item.result = _result(raw.execute(item.statement, item.params))
     elif begun and commit is None and todo and all(item.params is None for item in todo):
@@ -224,6 +247,8 @@ def _pipeline(
         for item, cur in zip(todo, cursors, strict=False):
             if cur.pgresult is not None and cur.pgresult.status in _OK:
                 item.result = _result(cur)
+        if isinstance(exc, psycopg.Error) and _guarded_failed(raw, todo, first or exc, commit):
+            return
         if first is not None and isinstance(exc, psycopg.Error):
             raise first from None
         raise
@@ -231,6 +256,8 @@ def _pipeline(
         for item, cur in zip(todo, cursors, strict=False):
             if cur.pgresult is not None and cur.pgresult.status in _OK:
                 item.result = _result(cur)
+        if _guarded_failed(raw, todo, first, commit):
+            return
         raise first
     for item, cur in zip(todo, cursors, strict=True):
         item.result = _result(cur)
@@ -239,6 +266,27 @@ def _pipeline(
 
 
 _OK = (psycopg.pq.ExecStatus.TUPLES_OK, psycopg.pq.ExecStatus.COMMAND_OK)
+
+
+def _guarded_failed(
+    raw: psycopg.Connection[Any], todo: list[Later], exc: psycopg.Error, commit: object
+) -> bool:
+    """Did ``exc`` come from the round trip's guarded tail (every statement
+    before it through, no COMMIT after it, the server still there)? Then it
+    is kept on the guarded handles (see :func:`later`)."""
+    start = next((n for n, item in enumerate(todo) if item.guarded), None)
+    if start is None or commit is not None:
+        return False
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return False
+    if raw.info.transaction_status != psycopg.pq.TransactionStatus.INERROR:
+        return False
+    head, tail = todo[:start], todo[start:]
+    if any(item.result is None for item in head) or not all(item.guarded for item in tail):
+        return False
+    for item in tail:
+        item.error = exc
+    return True
 
 
 def flush(conn: Connection) -> None:

@@ -331,10 +331,11 @@ class Tick:
         state = later(
             self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
-        self.prefetched = self.body.prefetch(self.conn, self.job, self.ctx)
         # what the body does, it does under this savepoint: should it fail,
-        # the failure is recorded in this transaction, the lock still held
+        # the failure is recorded in this transaction, the lock still held;
+        # what it prefetches too (a queue job's claim, on speculation)
         later(self.conn, _SAVEPOINT_RUN)
+        self.prefetched = self.body.prefetch(self.conn, self.job, self.ctx)
         try:
             send(self.conn)
         except psycopg.errors.LockNotAvailable:

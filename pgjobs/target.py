@@ -351,6 +351,41 @@ def prefetch_fingerprint(
     return _queue_fingerprint(conn, names) if names else None
 
 
+def _cache_key(
+    pg: psycopg.Connection[Any],
+    target: str,
+    key: Sequence[str] | None,
+    parents: Sequence[Parent],
+) -> tuple[Any, ...]:
+    info = pg.info
+    return (
+        info.host,
+        info.port,
+        info.dbname,
+        info.user,
+        info.parameter_status("search_path"),
+        target,
+        None if key is None else tuple(key),
+        tuple(parents),
+    )
+
+
+def cached_target(
+    conn: Connection,
+    target: str,
+    *,
+    key: Sequence[str] | None = None,
+    parents: Sequence[Parent] = (),
+) -> Target | None:
+    """What :func:`reflect_target` reflected last for these arguments on this
+    server, unverified (no round trip): for work sent ahead on speculation,
+    whose caller checks that the verified reflection is the same object."""
+    pg = conn.connection.driver_connection
+    assert isinstance(pg, psycopg.Connection)
+    cached = _reflected.get(_cache_key(pg, target, key, parents))
+    return None if cached is None else cached[1]
+
+
 def reflect_target(
     conn: Connection,
     target: str,
@@ -379,17 +414,7 @@ def reflect_target(
     """
     pg = conn.connection.driver_connection
     assert isinstance(pg, psycopg.Connection)
-    info = pg.info
-    cache_key = (
-        info.host,
-        info.port,
-        info.dbname,
-        info.user,
-        info.parameter_status("search_path"),
-        target,
-        None if key is None else tuple(key),
-        tuple(parents),
-    )
+    cache_key = _cache_key(pg, target, key, parents)
     fingerprint: Any = None
     names = _names(pg, target, parents)
     if names:
@@ -563,4 +588,4 @@ def describe(target: Target) -> dict[str, Any]:
     }
 
 
-__all__ = ["ColumnInfo", "ParentRef", "Target", "describe", "reflect_target"]
+__all__ = ["ColumnInfo", "ParentRef", "Target", "cached_target", "describe", "reflect_target"]

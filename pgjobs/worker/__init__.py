@@ -20,6 +20,7 @@ why each step is as it is: ``docs/DESIGN.md``, "The queue and its worker".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..jobs import Locks, QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
 from ..target import Prefetched, prefetch_fingerprint
+from .claim import Ahead, claim_ahead
 from .tick import run_tick
 
 
@@ -58,12 +60,24 @@ def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
     return bool(row and row[0])
 
 
+@dataclass(frozen=True, slots=True)
+class QueuePrefetched:
+    """What a queue tick sends with the runner's lock round trip."""
+
+    #: the reflection cache's catalog check (see reflect_target)
+    fingerprint: Prefetched | None
+    #: the claim, on speculation (see claim_ahead)
+    ahead: Ahead | None = None
+
+
 def run_queue(
-    conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None = None
+    conn: Connection, job: QueueJob, ctx: RunContext, prefetched: QueuePrefetched | None = None
 ) -> Execution:
     """One tick of ``job``: claim a batch, compute it once, write one scoped
     diff, call ``after``; inside the job's transaction, the group lock held."""
-    return run_tick(conn, job, ctx, prefetched)
+    if prefetched is None:
+        return run_tick(conn, job, ctx)
+    return run_tick(conn, job, ctx, prefetched.fingerprint, prefetched.ahead)
 
 
 class QueueBody:
@@ -79,7 +93,7 @@ class QueueBody:
             return bool(job.has_work(conn))
         return has_pending(conn, job, ctx)
 
-    def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> Prefetched | None:
+    def prefetch(self, conn: Connection, job: QueueJob, ctx: RunContext) -> QueuePrefetched:
         """The reflection cache's catalog check (see reflect_target), read
         by :meth:`execute`; and, after the write lock, this job's record for
         recomputes run elsewhere (pgjobs.flow), unless a fresh one is there
@@ -89,7 +103,8 @@ class QueueBody:
         committed = record_for_tick(conn, job, ctx.namespace, ctx.schema)
         if committed is not None:
             ctx.after_commit.append(committed)
-        return fingerprint
+        # last (the runner's savepoint is taken before): the claim, on speculation
+        return QueuePrefetched(fingerprint, claim_ahead(conn, job, ctx))
 
     def locks(self, job: QueueJob, ctx: RunContext) -> Locks:
         # with flow, the group's write lock shared with the other workers
@@ -99,7 +114,7 @@ class QueueBody:
         return False
 
     def execute(
-        self, conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None
+        self, conn: Connection, job: QueueJob, ctx: RunContext, prefetched: QueuePrefetched | None
     ) -> Execution:
         return run_queue(conn, job, ctx, prefetched)
 
@@ -115,6 +130,7 @@ BODY = QueueBody()
 __all__ = [
     "BODY",
     "QueueBody",
+    "QueuePrefetched",
     "has_pending",
     "pending_query",
     "run_queue",

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from sqlalchemy.engine import Connection
 
-from .._pg import later, send
+from .._pg import Later, driver, later, send
+from ..jobs import QueueJob, RunContext
 from ..queue import key_json
+from ..target import Target, cached_target
 from .state import (
     KEYS_SHAPE,
     Tick,
@@ -35,11 +39,13 @@ from .state import (
     is_run_level,
     keys_table_fits,
     keys_table_known,
+    keys_table_known_for,
     next_savepoint,
     release,
     rollback_to,
     savepoint,
 )
+from .statements import statements_for
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +119,69 @@ def claim(t: Tick) -> Claimed:
     return classify(t, result)
 
 
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """A claim sent ahead, with the runner's lock round trip (:func:`claim_ahead`)."""
+
+    #: the reflection it was composed from (the cached one, unverified then)
+    target: Target
+    claimed: Later
+
+
+#: the savepoints a claim sent ahead takes: before it (to undo it) and after it
+_AHEAD = (sql.Identifier("pgjobs_q1"), sql.Identifier("pgjobs_q2"))
+
+
+def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | None:
+    """Queue :func:`claim_known`'s three statements for the runner's lock
+    round trip, on speculation: a claim in the lock's round trip, not one
+    of its own. Only where :func:`claim_known` would run (the session's
+    keys table known to fit), composed from the target as last reflected.
+
+    Guarded (:func:`pgjobs._pg.later`): when it fails, nothing else does.
+    It runs under the run's savepoint whatever the lock and the job's
+    state say; when the tick does not go on (the lock busy, the job paused
+    or backing off) the transaction's rollback undoes it, when the
+    verified reflection is another (the target changed) or it failed,
+    :func:`claim_adopted` rolls back to its savepoint and the tick claims
+    as usual. Its locks never wait (SKIP LOCKED, item locks tried)."""
+    if job.claim is not None or job.batch_size > PRELOAD_BATCH:
+        return None
+    target = cached_target(conn, job.target, key=job.key, parents=job.parents)
+    if target is None or not keys_table_known_for(driver(conn), job, target):
+        return None
+    statements = statements_for(job, ctx.schema, target)
+    if not statements.item_parents:
+        return None
+    before, after = _AHEAD
+    later(conn, sql.SQL("savepoint {}").format(before), guarded=True)
+    claimed = later(
+        conn, statements.claim_keyed, {"job": job.name, "n": job.batch_size}, guarded=True
+    )
+    later(conn, sql.SQL("savepoint {}").format(after), guarded=True)
+    return Ahead(target, claimed)
+
+
+def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
+    """The claim sent ahead, if it holds: ``None`` when there was none, or
+    it failed, or the target's verified reflection is not the one it was
+    composed from (then it is undone: the caller claims as usual)."""
+    if ahead is None:
+        return None
+    t.savepoints = len(_AHEAD)
+    result = ahead.claimed.result
+    if ahead.claimed.error is not None or result is None or t.target is not ahead.target:
+        rollback_to(t, _AHEAD[0])
+        error = ahead.claimed.error
+        if error is not None:
+            forget_keys_table(t)
+            if is_run_level(error):
+                raise error
+            log.debug("pgjobs: %s: the claim sent ahead failed: %s", t.job.name, error)
+        return None
+    return keyed(t, result.all(), _AHEAD[1])
+
+
 def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed | None:
     """The claim when this session's keys table is known to fit: the
     savepoint, the claim (which loads the keys table and returns each
@@ -134,8 +203,13 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed 
         rollback_to(t, sp)
         forget_keys_table(t)
         return None
+    return keyed(t, rows.all(), first)
+
+
+def keyed(t: Tick, result: list[tuple[Any, ...]], first: sql.Identifier) -> Claimed:
+    """The keyed claim's rows as the four sets; the claimed items' typed keys
+    kept as loaded, under ``first`` (the savepoint of their processing)."""
     width = len(t.job.scope)
-    result = rows.all()
     claimed = classify(t, [r[:5] for r in result])
     gone = set(claimed[1])
     keys = (tuple(r[5 : 5 + width]) for r in result if r[3] and r[0] not in gone)
@@ -255,13 +329,17 @@ def lock_parents(t: Tick, items: list[str]) -> tuple[list[str], list[str], list[
 
 __all__ = [
     "PRELOAD_BATCH",
+    "Ahead",
     "Claimed",
     "claim",
+    "claim_adopted",
+    "claim_ahead",
     "claim_known",
     "claim_own",
     "claim_rows",
     "classify",
     "finish_own",
+    "keyed",
     "lock_parents",
     "lock_readable",
     "unreadable",

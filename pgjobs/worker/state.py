@@ -156,7 +156,11 @@ _shapes: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[int, list[str]
 
 
 def _shape(t: Tick) -> list[str]:
-    return [f"{c}:{t.target.types[c].type_oid}" for c in t.job.scope]
+    return _shape_of(t.job, t.target)
+
+
+def _shape_of(job: QueueJob, target: Target) -> list[str]:
+    return [f"{c}:{target.types[c].type_oid}" for c in job.scope]
 
 
 def keys_table_fits(t: Tick, row: tuple[Any, ...] | None) -> bool:
@@ -175,12 +179,18 @@ def keys_table_known(t: Tick) -> bool:
     session? Never behind a transaction pooler: the next transaction may
     run on another session. A claim that trusted it and failed forgets it
     (:func:`forget_keys_table`) and asks."""
-    seen = _shapes.get(t.raw)
-    return (
-        seen is not None
-        and seen == (t.raw.info.backend_pid, _shape(t))
-        and not transaction_pooling()
-    )
+    return keys_table_known_for(t.raw, t.job, t.target)
+
+
+def keys_table_known_for(raw: psycopg.Connection[Any], job: QueueJob, target: Target) -> bool:
+    """:func:`keys_table_known`, before a tick has its state."""
+    seen = _shapes.get(raw)
+    if seen is None or transaction_pooling() or seen[0] != raw.info.backend_pid:
+        return False
+    try:
+        return seen[1] == _shape_of(job, target)
+    except KeyError:  # a scope column the target lacks: new_tick says so
+        return False
 
 
 def forget_keys_table(t: Tick) -> None:

@@ -23,7 +23,7 @@ from ..jobs import Keys, QueueJob, RunContext
 from ..results import Execution
 from ..staging import check_coverage, stage
 from ..target import Prefetched
-from .claim import claim, claim_own, finish_own
+from .claim import Ahead, claim, claim_adopted, claim_own, finish_own
 from .small import small_enough, write_small
 from .state import (
     ANALYZE_KEYS,
@@ -43,11 +43,19 @@ log = logging.getLogger(__name__)
 
 
 def run_tick(
-    conn: Connection, job: QueueJob, ctx: RunContext, prefetched: Prefetched | None = None
+    conn: Connection,
+    job: QueueJob,
+    ctx: RunContext,
+    prefetched: Prefetched | None = None,
+    ahead: Ahead | None = None,
 ) -> Execution:
-    """One tick of ``job``, inside the job's transaction, the group lock held."""
+    """One tick of ``job``, inside the job's transaction, the group lock held
+    (``ahead``: the claim sent with the lock, :func:`.claim.claim_ahead`)."""
     t = new_tick(conn, job, ctx, prefetched)
-    items, gone, deferred, unreadable = claim_own(t) if job.claim is not None else claim(t)
+    if job.claim is not None:
+        items, gone, deferred, unreadable = claim_own(t)
+    else:  # (a claim adopted is a tuple of four lists: true, even when they are empty)
+        items, gone, deferred, unreadable = claim_adopted(t, ahead) or claim(t)
     ctx.report("claim", len(items), None)
     t.failed.update(unreadable)
     if gone:

@@ -1,0 +1,178 @@
+"""The claim sent ahead: a queue tick's claim travels with the runner's lock
+round trip (``pgjobs.worker.claim.claim_ahead``), on speculation, composed
+from the target as last reflected. Each way it can turn out is here, on a
+real database: adopted; undone because the target changed meanwhile;
+failed (its keys table gone) and done the usual way; rolled back with the
+transaction when the lock is busy or the job paused. In each, every item
+is processed once and the queue says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+
+import pgjobs
+import pgjobs.worker.claim
+import pgjobs.worker.tick
+from pgjobs.locking import lock_name
+from pgjobs.results import Outcome
+
+SCHEMA = """
+create table parent (id int primary key);
+create table source (parent_id int not null references parent on delete cascade,
+                     n int not null, val int not null);
+create table derived (parent_id int not null references parent on delete cascade,
+                      n int not null, total bigint not null, primary key (parent_id, n));
+insert into parent select generate_series(1, 20);
+insert into source select p, n, p * 10 + n from generate_series(1, 20) p, generate_series(1, 2) n;
+"""
+
+COMPUTE = (
+    "select parent_id, n, sum(val) as total from source where parent_id = any(:keys)"
+    " group by parent_id, n"
+)
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    engine = create_engine(db_url, pool_size=1, max_overflow=0)  # one session: its keys table
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    pgjobs.Runner(engine).install()
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def adopted(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each tick that had a claim sent ahead: was it adopted?"""
+    seen: list[bool] = []
+    real = pgjobs.worker.tick.claim_adopted
+
+    def spy(t: Any, ahead: Any) -> Any:
+        result = real(t, ahead)
+        if ahead is not None:
+            seen.append(result is not None)
+        return result
+
+    monkeypatch.setattr(pgjobs.worker.tick, "claim_adopted", spy)
+    return seen
+
+
+def job(**changes: Any) -> pgjobs.QueueJob:
+    fields: dict[str, Any] = dict(
+        name="w", target="derived", scope=("parent_id",), compute=COMPUTE, every="1h"
+    )
+    fields.update(changes)
+    return pgjobs.QueueJob(**fields)
+
+
+def enqueue(engine: Engine, keys: list[int], name: str = "w") -> None:
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, name, keys)
+
+
+def queued(engine: Engine) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("select key, attempts from pgjobs.queue order by key")).all()
+    return [(str(r[0]), int(r[1])) for r in rows]
+
+
+def derived(engine: Engine) -> dict[tuple[int, int], int]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("select parent_id, n, total from derived")).all()
+    return {(r[0], r[1]): r[2] for r in rows}
+
+
+def expected(keys: list[int]) -> dict[tuple[int, int], int]:
+    return {(p, n): p * 10 + n for p in keys for n in (1, 2)}
+
+
+def test_a_claim_sent_with_the_lock_is_adopted_after_the_first_tick(
+    engine: Engine, adopted: list[bool]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        for key in (1, 2, 3):
+            enqueue(engine, [key])
+            result = runner.tick(w, woken=True)
+            assert result.outcome is Outcome.RAN and result.items == 1, result
+    # the first tick knew neither the target nor the session's keys table
+    assert adopted == [True, True]
+    assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
+
+
+def test_a_target_changed_since_its_reflection_undoes_the_claim_sent_ahead(
+    engine: Engine, adopted: list[bool]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        enqueue(engine, [1])
+        assert runner.tick(w, woken=True).items == 1
+        # an index added: the verified reflection is another object than the
+        # one the claim was composed from
+        with engine.begin() as conn:
+            conn.execute(text("create index derived_total on derived (total)"))
+        enqueue(engine, [2])
+        result = runner.tick(w, woken=True)
+    assert result.outcome is Outcome.RAN and result.items == 1, result
+    assert adopted == [False]
+    assert derived(engine) == expected([1, 2]) and queued(engine) == []
+
+
+def test_a_claim_sent_ahead_that_fails_leaves_the_tick_to_claim_as_usual(
+    engine: Engine, adopted: list[bool]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        enqueue(engine, [1])
+        assert runner.tick(w, woken=True).items == 1
+        # the session's keys table dropped under the worker (its one connection)
+        with engine.connect() as conn:
+            conn.exec_driver_sql("drop table pg_temp.pgjobs_keys")
+            conn.commit()
+        enqueue(engine, [2])
+        result = runner.tick(w, woken=True)
+        assert result.outcome is Outcome.RAN and result.items == 1, result
+        enqueue(engine, [3])
+        assert runner.tick(w, woken=True).items == 1  # made again, known again
+    assert adopted == [False, True]
+    assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
+
+
+def test_a_claim_sent_ahead_is_rolled_back_when_the_lock_is_busy_or_the_job_paused(
+    engine: Engine, db_url: str, adopted: list[bool]
+) -> None:
+    w = job(flow=False)  # the group's write lock tried: busy while another holds it
+    with pgjobs.Runner(engine) as runner:
+        enqueue(engine, [1])
+        assert runner.tick(w, woken=True).items == 1
+        enqueue(engine, [2])
+        url = db_url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(url) as other:
+            other.execute(
+                "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                (lock_name("pgjobs", w.group or w.name),),
+            )
+            assert runner.tick(w, woken=True).outcome is Outcome.BUSY
+            # the claim ran ahead and was undone with the transaction: the
+            # entry is queued as it was, its parent and entry locks gone
+            assert queued(engine) == [("[2]", 0)]
+            locked = other.execute("select id from parent where id = 2 for update nowait")
+            assert locked.fetchall() == [(2,)]
+            other.rollback()
+        with engine.begin() as conn:
+            conn.execute(text("update pgjobs.job_state set paused_at = now() where job = 'w'"))
+        assert runner.tick(w, woken=True).outcome is Outcome.PAUSED
+        assert queued(engine) == [("[2]", 0)]
+        with engine.begin() as conn:
+            conn.execute(text("update pgjobs.job_state set paused_at = null where job = 'w'"))
+        result = runner.tick(w, woken=True)
+    assert result.outcome is Outcome.RAN and result.items == 1
+    assert derived(engine) == expected([1, 2]) and queued(engine) == []
