@@ -6,12 +6,16 @@ job, looked up by name in the registry if need be) and :func:`install`
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from .database import resolve_engine
+from .deadline import DEFAULT_CALL_TIMEOUT
 from .drift import SAMPLE, CheckResult, check_on, workers_of
+from .durations import Duration, parse_duration
+from .errors import ConfigError
 from .jobs import Job, Progress, QueueJob
 from .locking import DEFAULT_NAMESPACE
 from .registry import get_registry
@@ -65,6 +69,7 @@ def check(
     sample: int = SAMPLE,
     workers: Iterable[QueueJob] | None = None,
     schema: str = DEFAULT_SCHEMA,
+    call_timeout: Duration = DEFAULT_CALL_TIMEOUT,
 ) -> CheckResult:
     """What a recompute of ``job`` would write now, without writing: a
     :class:`~pgjobs.drift.CheckResult` with the figures a recompute's
@@ -76,7 +81,9 @@ def check(
     its items ``keys`` (scalars, or tuples for a composite scope). Rows of
     items that are queued or in flight are counted apart (``on_the_way``):
     those of ``workers``, by default the queue jobs on the same target in
-    the registry (for a name; none for a job object).
+    the registry (for a name; none for a job object). ``call_timeout``: as
+    the Runner's, the margin of the check's deadline (each of its round
+    trips at most the job's ``lock_timeout`` + ``statement_timeout`` + it).
 
     >>> result = pgjobs.check("exam-scores", "postgresql://localhost/app")
     >>> result.drift, result.stats, result.samples.get("updated")
@@ -86,11 +93,20 @@ def check(
         job = registry.get(job)
         if workers is None:
             workers = workers_of(job, registry.jobs())
-    engine, owned = resolve_engine(database)
+    timeout = parse_duration(call_timeout, field="call_timeout")
+    if timeout <= timedelta(0):
+        raise ConfigError(f"call_timeout: must be positive, got {call_timeout!r}")
+    engine, owned = resolve_engine(database, call_timeout=timeout.total_seconds())
     try:
         with engine.connect() as conn:
             return check_on(
-                conn, job, keys=keys, sample=sample, workers=workers or (), schema=schema
+                conn,
+                job,
+                keys=keys,
+                sample=sample,
+                workers=workers or (),
+                schema=schema,
+                call_timeout=timeout.total_seconds(),
             )
     finally:
         if owned:

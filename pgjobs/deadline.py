@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 #: seconds: the default bound of a bookkeeping round trip (pgjobs' own
 #: statements, the pool's ping, the listener's check)
 DEFAULT_CALL_TIMEOUT = 10.0
+#: seconds: the least bound of one round trip of an installation (a
+#: migration may rewrite a table, or wait for another process installing);
+#: :func:`pgjobs.migrations.migrate` allows more where its settings let the
+#: server take longer
+INSTALL_TIMEOUT = 300.0
 
 try:  # psycopg's wait loop wakes this often to let a Ctrl-C through
     from psycopg.connection import _WAIT_INTERVAL
@@ -107,6 +112,13 @@ def bound(raw: psycopg.Connection[Any], seconds: float) -> float:
     previous = raw.pgjobs_bound  # type: ignore[attr-defined]
     raw.pgjobs_bound = seconds  # type: ignore[attr-defined]
     return float(previous)
+
+
+def bound_of(conn: Connection) -> float:
+    """The deadline of each of ``conn``'s round trips now, in seconds (0:
+    none, or a connection that is not psycopg's or is gone)."""
+    raw = _raw_of(conn)
+    return float(getattr(raw, "pgjobs_bound", 0.0)) if raw is not None else 0.0
 
 
 @contextlib.contextmanager
@@ -237,12 +249,14 @@ def exceeded(exc: BaseException | None) -> bool:
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
+    "INSTALL_TIMEOUT",
     "BoundedConnection",
     "DeadlineExceeded",
     "abandon_connection",
     "bound",
     "bound_engine",
     "bound_for_use",
+    "bound_of",
     "bounded",
     "cancel_statement",
     "exceeded",

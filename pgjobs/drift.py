@@ -42,11 +42,13 @@ from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
 from ._pg import connection_lost, driver, first_line, send, set_local, sqlstate_of
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_for_use, bounded
 from .diff.difference import build_difference
 from .diff.plan import Plan, Scope, equal, idents, not_null
 from .errors import ConfigError, JobError
 from .jobs import Job, QueueJob, RecomputeJob
 from .queue import key_json, queue_table
+from .records import tick_bound
 from .results import DiffStats, Outcome, RunResult
 from .staging import Staged, check_coverage, stage
 from .store import Store
@@ -208,12 +210,17 @@ def check_on(
     sample: int = SAMPLE,
     workers: Iterable[QueueJob] = (),
     schema: str = "pgjobs",
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> CheckResult:
     """Check ``job`` on ``conn`` (not in a transaction); see the module
     docstring. ``keys``: a queue job's items (scalars for a one-column
     scope, tuples for a composite one); required for a queue job, refused
     for a recompute. ``workers``: the queue jobs whose queued items are on
-    their way to this target (a queue job checked by keys counts its own)."""
+    their way to this target (a queue job checked by keys counts its own).
+    Each round trip has the deadline of the job's ticks (``tick_bound``:
+    its ``lock_timeout`` + ``statement_timeout`` + ``call_timeout``), not
+    the bookkeeping bound the connection came with: the compute may take
+    as long as the job's own ticks; the connection's bound afterwards."""
     if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
         raise ConfigError(f"sample: expected a count of keys (0 or more), got {sample!r}")
     if isinstance(job, QueueJob):
@@ -228,7 +235,7 @@ def check_on(
     else:
         raise ConfigError(f"{job.name}: a {job.kind} job has no derived table to check")
     started = datetime.now(UTC)
-    with conn.begin() as trans:
+    with bounded(conn, tick_bound(job, call_timeout)), conn.begin() as trans:
         try:
             return _Check(conn, job, sample, list(workers), schema).run(keys, started)
         finally:
@@ -601,16 +608,20 @@ def verify(
     workers: Iterable[QueueJob] = (),
     worker: str = "",
     sample: int = SAMPLE,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> RunResult | None:
     """One scheduled verification of ``job`` (``verify_every``): the check,
     recorded in the run log as ``checked`` with its figures and samples, so
     that an alert on drift needs no write to the target. ``None`` when
     another process checked the job less than (nine tenths of) an interval
     ago. A check that fails is recorded too (outcome ``checked``, with its
-    error), without touching the job's state or backoff."""
+    error), without touching the job's state or backoff. Its bookkeeping
+    round trips have the deadline ``call_timeout`` (the runner's), the
+    check those of the job's ticks (:func:`check_on`)."""
     interval = job.verify_interval
     assert interval is not None
     with engine.connect() as conn:
+        bound_for_use(conn, call_timeout)
         with conn.begin():
             row = (
                 driver(conn)
@@ -622,7 +633,14 @@ def verify(
             return None
         started = datetime.now(UTC)
         try:
-            result = check_on(conn, job, workers=workers, sample=sample, schema=store.schema)
+            result = check_on(
+                conn,
+                job,
+                workers=workers,
+                sample=sample,
+                schema=store.schema,
+                call_timeout=call_timeout,
+            )
             record = result.run_result()
         except Exception as exc:
             if connection_lost(exc):

@@ -52,6 +52,7 @@ from psycopg import errors, sql
 from sqlalchemy.engine import Connection
 
 from ._pg import driver, execute
+from .deadline import DEFAULT_CALL_TIMEOUT, INSTALL_TIMEOUT, bound_of, bounded
 from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError, MigrationError, SchemaError
 
@@ -357,6 +358,17 @@ def script(
 
 
 # -- applying ---------------------------------------------------------------------
+def install_bound(settings: MigrateSettings, call_timeout: float) -> float:
+    """Seconds: the deadline of each round trip of :func:`migrate`. At least
+    :data:`~pgjobs.deadline.INSTALL_TIMEOUT`, and as long as the server may
+    take by ``settings`` (the advisory lock waits up to ``retry_for``, a
+    migration's statement up to ``statement_timeout``) + ``call_timeout`` as
+    a margin, as a tick's deadline (``records.tick_bound``): a statement the
+    server still allows is not cut short by the client."""
+    longest = max(_td(settings.retry_for), _td(settings.statement_timeout)).total_seconds()
+    return max(INSTALL_TIMEOUT, call_timeout, longest + call_timeout)
+
+
 def _set(conn: Connection, name: str, value: str) -> None:
     execute(conn, "select set_config(%s, %s, true)", (name, value))
 
@@ -407,7 +419,24 @@ def migrate(
     ``settings.lock_timeout`` rolls everything back and the attempt is
     retried, with backoff and a log line, for ``settings.retry_for``; then
     :class:`MigrationError`. A schema past a breaking migration of newer
-    code: :class:`SchemaError`."""
+    code: :class:`SchemaError`.
+
+    Each round trip has the install deadline (:func:`install_bound`, the
+    connection's own bound as ``call_timeout``: 10 s where it has none),
+    not the bookkeeping one it came with, whoever calls: ``pgjobs migrate``,
+    a job's first tick, ``pgjobs pause``; the connection's bound afterwards."""
+    call_timeout = bound_of(conn) or DEFAULT_CALL_TIMEOUT
+    with bounded(conn, install_bound(settings, call_timeout)):
+        return _migrate(conn, schema, settings, available, sleep)
+
+
+def _migrate(
+    conn: Connection,
+    schema: str,
+    settings: MigrateSettings,
+    available: Sequence[Migration] | None,
+    sleep: Callable[[float], None],
+) -> list[Migration]:
     shipped = migrations() if available is None else tuple(available)
     retry_for = settings.retry_for
     assert isinstance(retry_for, timedelta)
@@ -530,6 +559,7 @@ __all__ = [
     "code_version",
     "command",
     "ensure",
+    "install_bound",
     "load",
     "migrate",
     "migrations",

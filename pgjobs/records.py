@@ -98,9 +98,6 @@ log = logging.getLogger("pgjobs.runner")
 LOCAL_COMMIT = {"synchronous_commit": "local"}
 #: the statement that sets :data:`LOCAL_COMMIT`, to queue in a bookkeeping transaction
 LOCAL_COMMIT_SQL = set_local(LOCAL_COMMIT)
-#: seconds: the bound of one round trip of an installation (a migration may
-#: rewrite a table, or wait for another process installing)
-INSTALL_TIMEOUT = 300.0
 #: interrupted runs kept at most, while they cannot be written
 LATE_MAX = 100
 

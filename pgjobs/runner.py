@@ -31,7 +31,6 @@ from .jobs import Body, Job, Locks, Progress, QueueJob, RecomputeJob, RunContext
 from .locking import DEFAULT_NAMESPACE
 from .recompute import BODY as RECOMPUTE
 from .records import (
-    INSTALL_TIMEOUT,
     LOCAL_COMMIT_SQL,
     Failure,
     Interruptions,
@@ -206,8 +205,9 @@ class Runner:
     def _ensure(self, conn: Connection) -> None:
         if self.store._ready:
             return
-        with bounded(conn, max(INSTALL_TIMEOUT, self.call_timeout)):
-            self.store.ensure(conn)
+        # the read under this connection's bound (call_timeout); migrate()
+        # gives the migrations the install bound (migrations.install_bound)
+        self.store.ensure(conn)
 
     def tick(
         self,

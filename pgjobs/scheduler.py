@@ -632,6 +632,7 @@ class Scheduler:
                 job,
                 workers=workers_of(job, self.registry.jobs()),
                 worker=self.runner.worker,
+                call_timeout=self.runner.call_timeout,
             )
         except Exception as exc:
             log.warning("pgjobs: %s: could not check: %s", name, first_line(exc))

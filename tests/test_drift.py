@@ -26,6 +26,7 @@ import pytest
 from click.testing import CliRunner, Result
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 
 import pgjobs
 from pgjobs.cli import cli
@@ -512,6 +513,44 @@ def test_the_check_runs_under_the_job_s_statement_timeout(
     out = invoke("check", "scores", "-c", str(config), "--database", db_url)
     assert out.exit_code == 3, out.output
     assert "pgjobs: the check failed: canceling statement due to statement timeout" in out.output
+
+
+#: a compute of about a second, longer than the bookkeeping bound below
+SLOW_COMPUTE = SCORES.replace("from answer a", "from answer a, (select pg_sleep(1)) as pause")
+
+
+def test_the_check_has_the_job_s_deadline_not_the_bookkeeping_one(db_url: str) -> None:
+    # A compute longer than call_timeout (the bound of pgjobs' bookkeeping
+    # round trips) but within the job's statement_timeout completes: the
+    # check's round trips have the job's deadline, as its ticks do
+    # (lock_timeout + statement_timeout + call_timeout), on pgjobs.check
+    # and on a scheduled verification alike; the bookkeeping bound after.
+    from pgjobs.database import resolve_engine
+    from pgjobs.drift import check_on, verify
+    from pgjobs.store import Store
+
+    engine, _ = resolve_engine(db_url, call_timeout=0.5)
+    try:
+        run_sql(engine, SCHEMA)
+        pgjobs.install(engine)
+        job = recompute(compute=SLOW_COMPUTE, statement_timeout="5s", verify_every="1h")
+        started = time.perf_counter()
+        result = pgjobs.check(job, engine, call_timeout=0.5)
+        assert time.perf_counter() - started >= 1
+        assert result.inserted == 50  # exam_score is empty: every row is missing
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert check_on(conn, job, call_timeout=0.5).inserted == 50
+            assert raw.pgjobs_bound == 0.5  # the bookkeeping bound again
+        recorded = verify(engine, Store(), job, call_timeout=0.5)
+        assert recorded is not None and recorded.error is None, recorded
+        assert recorded.stats.inserted == 50
+        # the bookkeeping bound is what it was: without the job's deadline the
+        # same compute is abandoned after 0.5 s
+        with engine.connect() as conn, pytest.raises(OperationalError, match=r"within 0\.5 s"):
+            conn.execute(text("select pg_sleep(1)"))
+    finally:
+        engine.dispose()
 
 
 def test_rows_of_an_item_a_worker_holds_are_in_flight_and_the_check_does_not_wait(

@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -27,6 +28,7 @@ from pgjobs.errors import MigrationError, SchemaError
 from pgjobs.migrations import (
     MigrateSettings,
     code_version,
+    install_bound,
     load,
     migrate,
     migrations,
@@ -418,3 +420,64 @@ def test_migrate_settings_and_flags_are_checked() -> None:
         cli, ["migrate", "--lock-timeout", "x", "--database", "postgresql://h/d"]
     )
     assert bad.exit_code == 2 and "lock_timeout" in bad.output
+
+
+# -- the install deadline -------------------------------------------------------------------
+def test_migrations_run_under_the_install_bound_whoever_applies_them(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A migration may take minutes (an index on a large run log): each of
+    # its round trips has the install bound, not the bookkeeping bound its
+    # connection came with (call_timeout, 10 s), on every path that applies
+    # migrations: `pgjobs migrate` (outside the Runner), `pgjobs pause`
+    # (pgjobs.operate), a Runner's first tick; the bound is restored after.
+    from pgjobs import migrations as module
+    from pgjobs.deadline import INSTALL_TIMEOUT
+
+    assert install_bound(MigrateSettings(), 10.0) == 15 * 60 + 10.0  # statement_timeout 15m
+    assert install_bound(MigrateSettings(retry_for="20m"), 2.0) == 20 * 60 + 2.0
+    assert install_bound(MigrateSettings(statement_timeout="1s", retry_for="1s"), 10.0) == (
+        INSTALL_TIMEOUT
+    )
+    seen: list[tuple[str, float]] = []
+    plain = module.execute
+
+    def spy(conn: Any, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        raw = conn.connection.driver_connection
+        if not isinstance(statement, str):
+            seen.append((statement.as_string(raw), raw.pgjobs_bound))
+        return plain(conn, statement, *args, **kwargs)
+
+    monkeypatch.setattr(module, "execute", spy)
+
+    def applied_under() -> set[float]:
+        # the bounds of the migration files' statements (012's index among them)
+        found = {bound for text, bound in seen if "run_checked_idx" in text}
+        assert found, [t[:80] for t, _ in seen]
+        seen.clear()
+        return found
+
+    result = invoke("migrate", "--database", db_url)
+    assert result.exit_code == 0 and "applied 001_core" in result.output, result.output
+    assert applied_under() == {install_bound(MigrateSettings(), 10.0)}
+
+    def drop() -> None:
+        with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+            conn.execute("drop schema pgjobs cascade")
+
+    drop()
+    cfg = job_config(tmp_path, db_url)
+    paused = invoke("pause", "totals", "--config", str(cfg))
+    assert paused.exit_code == 0, paused.output
+    assert applied_under() == {install_bound(MigrateSettings(), 10.0)}
+
+    drop()
+    engine = pgjobs.database.resolve_engine(db_url, call_timeout=2.0)[0]
+    try:
+        runner = pgjobs.Runner(engine, call_timeout=2.0)
+        with runner.connect() as conn:
+            runner._ensure(conn)
+            assert conn.connection.driver_connection.pgjobs_bound == 2.0  # restored
+    finally:
+        engine.dispose()
+    assert applied_under() == {install_bound(MigrateSettings(), 2.0)}

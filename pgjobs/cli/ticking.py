@@ -174,7 +174,13 @@ def check(
         workers = drift.workers_of(target, registry.jobs())
         try:
             result = check_job(
-                target, url, keys=items, sample=sample, workers=workers, schema=config.schema
+                target,
+                url,
+                keys=items,
+                sample=sample,
+                workers=workers,
+                schema=config.schema,
+                call_timeout=config.call_timeout,
             )
         except psycopg.Error as exc:  # the check's own statement (its timeout, the SQL)
             click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
