@@ -101,7 +101,7 @@ class CheckResult:
     first rows in key order.
 
     >>> result = pgjobs.check("exam-scores", "postgresql://localhost/app")
-    >>> result.drift, result.inserted, result.samples["inserted"][0].key
+    >>> result.drift, result.inserted, [s.key for s in result.samples["inserted"]]
     """
 
     job: str

@@ -136,9 +136,6 @@ def _views(source: Source, found: StatusRead) -> list[JobView]:
     return views
 
 
-# -- HTML, escaped by construction -------------------------------------------------------
-
-
 __all__ = [
     "DEAD_ITEMS",
     "JOB_RUNS",

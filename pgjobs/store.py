@@ -13,7 +13,6 @@ installation is the one place pgjobs waits for a lock: ``docs/DESIGN.md``,
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -26,8 +25,6 @@ from sqlalchemy.engine import Connection
 from . import migrations
 from ._pg import execute, send, set_local
 from .results import RunResult
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgjobs"
 
@@ -59,7 +56,6 @@ class Store:
         self.schema = schema
         #: apply pending migrations at the first :meth:`ensure` (else refuse)
         self.auto_migrate = auto_migrate
-        self._s = sql.Identifier(schema)
         self._ready = False
 
     def table(self, name: str) -> sql.Identifier:

@@ -32,6 +32,7 @@ from .durations import format_duration
 from .markup import CSS, Markup, el, esc
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
 from .snapshot import JOB_RUNS, RUNS, JobView, Snapshot, read
+from .store import QUIET_OUTCOMES
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -148,6 +149,23 @@ def _anchor(name: str) -> str:
     return "job-" + quote(name, safe="")
 
 
+#: the jobs table's header cells; a row under a job (paused, failing) spans them all
+_JOB_COLUMNS = (
+    "Job",
+    "Kind",
+    "Group",
+    "Schedule",
+    "Last outcome",
+    "When",
+    "Next attempt",
+    "Failing since",
+    "Rows changed (last run)",
+    "Drift (last check)",
+    "Queue",
+)
+_JOB_SPAN = str(len(_JOB_COLUMNS))
+
+
 def _jobs_table(snap: Snapshot, base: str) -> Markup:
     rows = []
     for v in snap.jobs:
@@ -197,34 +215,16 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                         "td",
                         el("pre", v.state.get("last_error") or "", class_="error-text"),
                         el("span", f"SQLSTATE {sqlstate}", class_="muted") if sqlstate else None,
-                        colspan="11",
+                        colspan=_JOB_SPAN,
                         class_="wrap",
                     ),
                     class_="error",
                     data_job=v.name,
                 )
             )
-    head = el(
-        "tr",
-        [
-            el("th", h)
-            for h in (
-                "Job",
-                "Kind",
-                "Group",
-                "Schedule",
-                "Last outcome",
-                "When",
-                "Next attempt",
-                "Failing since",
-                "Rows changed (last run)",
-                "Drift (last check)",
-                "Queue",
-            )
-        ],
-    )
+    head = el("tr", [el("th", h) for h in _JOB_COLUMNS])
     if not rows:
-        rows = [el("tr", el("td", "no jobs", colspan="11", class_="muted"))]
+        rows = [el("tr", el("td", "no jobs", colspan=_JOB_SPAN, class_="muted"))]
     return el("table", el("thead", head), el("tbody", rows), id="jobs")
 
 
@@ -245,7 +245,7 @@ def _paused_row(view: JobView, now: datetime) -> Markup:
             f" by {state.get('paused_by') or '?'}",
             f": {reason}" if reason else "",
             f"; pgjobs resume {view.name} resumes it",
-            colspan="10",
+            colspan=_JOB_SPAN,
             class_="wrap",
         ),
         class_="paused",
@@ -618,14 +618,11 @@ class StatusPage:
 
 
 def _quiet(state: Mapping[str, Any]) -> str | None:
+    """The job's counts of ticks that changed nothing, one per quiet outcome
+    (``QUIET_OUTCOMES``: the ``*_ticks`` columns of ``job_state``)."""
     counts = [
-        f"{state.get(k) or 0:,} {label}"
-        for k, label in (
-            ("idle_ticks", "idle"),
-            ("busy_ticks", "busy"),
-            ("not_due_ticks", "not due"),
-            ("backing_off_ticks", "backing off"),
-        )
+        f"{state.get(f'{outcome}_ticks') or 0:,} {outcome.replace('_', ' ')}"
+        for outcome in QUIET_OUTCOMES
     ]
     return ", ".join(counts) if state else None
 

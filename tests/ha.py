@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from extras import EXTRAS, missing_reason
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 USER = "postgres"
@@ -146,8 +147,11 @@ class Formation:
     """A pg_auto_failover monitor and two PostgreSQL nodes; see the module."""
 
     def __init__(self) -> None:
-        if shutil.which("pg_autoctl") is None:
-            raise RuntimeError("pg_autoctl not found (apt-get install pg-auto-failover-cli)")
+        program = EXTRAS["pg_auto_failover"].find()
+        if program is None:
+            raise RuntimeError(missing_reason("pg_auto_failover"))
+        #: the pg_autoctl that tests/extras.py finds (on $PATH or in /usr/sbin)
+        self.program = program
         self.root = Path(tempfile.mkdtemp(prefix="pgjobs-ha-"))
         entry = pwd.getpwnam(USER) if os.geteuid() == 0 else None
         if entry is not None:
@@ -206,7 +210,7 @@ class Formation:
     def autoctl(self, *args: str, timeout: float = WAIT) -> str:
         """``pg_autoctl ARGS`` to its end (bounded); its output, or an error with it."""
         done = subprocess.run(
-            ["pg_autoctl", *args],
+            [self.program, *args],
             env=self._env(),
             cwd=self.root,
             capture_output=True,
@@ -224,7 +228,7 @@ class Formation:
         self._logs.append(log)
         self._processes.append(
             subprocess.Popen(
-                ["pg_autoctl", "run", "--pgdata", str(node.data)],
+                [self.program, "run", "--pgdata", str(node.data)],
                 env=self._env(),
                 cwd=self.root,
                 stdin=subprocess.DEVNULL,

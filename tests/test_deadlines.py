@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from extras import first_address, retarget
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
@@ -43,14 +44,15 @@ def wait_until(condition: object, timeout: float = WAIT, what: str = "condition"
 
 
 class Proxy:
-    """A TCP proxy to ``port`` on 127.0.0.1. :meth:`freeze` stops forwarding
+    """A TCP proxy, on 127.0.0.1, to ``target`` (a server's host and port, or
+    a Unix socket's path). :meth:`freeze` stops forwarding
     on every connection it carries, without closing any (a half-open
     connection, as a NAT or a failed-over host leaves it: the client's
     kernel still sees a live peer); connections made after it are
     forwarded as usual."""
 
-    def __init__(self, target: int | str) -> None:
-        #: a TCP port on 127.0.0.1, or a Unix socket's path
+    def __init__(self, target: tuple[str, int] | str) -> None:
+        #: a TCP server's (host, port), or a Unix socket's path
         self.target = target
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
@@ -65,8 +67,8 @@ class Proxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            if isinstance(self.target, int):
-                upstream = socket.create_connection(("127.0.0.1", self.target))
+            if isinstance(self.target, tuple):
+                upstream = socket.create_connection(self.target)
             else:
                 upstream = socket.socket(socket.AF_UNIX)
                 upstream.connect(self.target)
@@ -115,12 +117,9 @@ class Proxy:
 
 @pytest.fixture
 def proxy(db_url: str) -> Iterator[Proxy]:
-    url = make_url(db_url)
-    host = url.host or url.query.get("host")
-    target: int | str = url.port or 5432
-    if isinstance(host, str) and host.startswith("/"):  # the embedded server's socket
-        target = f"{host}/.s.PGSQL.{url.port or 5432}"
-    p = Proxy(target)
+    host, port = first_address(db_url)
+    # a socket directory is the embedded server's
+    p = Proxy(f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port))
     try:
         yield p
     finally:
@@ -128,8 +127,7 @@ def proxy(db_url: str) -> Iterator[Proxy]:
 
 
 def through(db_url: str, proxy: Proxy) -> str:
-    url = make_url(db_url).difference_update_query(["host"])
-    return url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    return retarget(db_url, host="127.0.0.1", port=proxy.port)
 
 
 class Results:

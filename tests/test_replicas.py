@@ -116,8 +116,8 @@ def test_a_standby_only_url_says_so_once_keeps_trying_and_works_once_promoted(
         caplog.set_level(logging.INFO, logger="pgjobs")
         with pgjobs.Scheduler([job], standby.url, on_result=results):
             wait_until(lambda: len(results.all) >= 3, what="three interrupted ticks")
+            standby.promote()  # pg_ctl -w: returns once the server accepts writes
             promoted = time.monotonic()
-            standby.promote()
             wait_until(lambda: "ran" in results.outcomes(), what="ran once promoted")
             ran_after = time.monotonic() - promoted
         outcomes = results.outcomes()

@@ -27,7 +27,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
 import pgjobs
+from pgjobs.operate import pause
 from pgjobs.serve import Request, Source
+from pgjobs.store import Store
 from pgjobs.testing import run_sql
 from pgjobs.web import StatusPage
 
@@ -342,6 +344,8 @@ def test_each_job_has_a_page_and_an_unknown_one_is_404(engine: Engine) -> None:
     ]
     for job in jobs:
         pgjobs.run_once(job, database=engine)
+    pause(engine, Store(), jobs[1], reason="backfill")
+    assert pgjobs.run_once(jobs[1], database=engine).outcome == "paused"  # a quiet tick
     source = Source(engine=engine, jobs={j.name: j for j in jobs})
     page = StatusPage(refresh=0)
     response = page(source, Request("/job/scores", base="/ops"))
@@ -352,6 +356,15 @@ def test_each_job_has_a_page_and_an_unknown_one_is_404(engine: Engine) -> None:
     assert 'http-equiv="refresh"' not in body
     overview = page(source, Request("/", base="/ops")).body.decode()
     assert 'href="/ops/job/scores"' in overview and 'id="job-scores"' in overview
+    # the row under a paused job spans the whole jobs table, as its header does
+    jobs_table = re.search(r'<table id="jobs">.*?</table>', overview, re.S)
+    assert jobs_table is not None, overview
+    headers = len(re.findall(r"<th[ >]", jobs_table.group(0)))
+    spans = re.findall(r'<tr class="paused"[^>]*><td colspan="(\d+)"', jobs_table.group(0))
+    assert headers == 11 and spans == [str(headers)], (headers, spans)
+    # the job's page counts its paused ticks with its other quiet ones
+    other = page(source, Request("/job/other")).body.decode()
+    assert "0 backing off, 1 paused" in other, other
     assert page(source, Request("/job/nope")).status == 404
     assert page(source, Request("/nope")).status == 404
 

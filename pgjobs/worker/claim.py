@@ -60,7 +60,7 @@ def claim(t: Tick) -> Claimed:
     if not t.statements.item_parents:
         # Nothing to lock first: keys that don't fit fail when processed.
         ensure_keys_table(t)
-        return claim_rows(t, None), [], [], {}
+        return claim_rows(t), [], [], {}
     sp = next_savepoint(t)
     params = {"job": t.job.name, "n": t.job.batch_size}
     if t.job.batch_size <= PRELOAD_BATCH and keys_table_known(t):
@@ -68,7 +68,7 @@ def claim(t: Tick) -> Claimed:
             known = claim_known(t, sp, params)
         except psycopg.DataError:
             rollback_to(t, sp)
-            return lock_readable(t, claim_rows(t, None))
+            return lock_readable(t, claim_rows(t))
         if known is not None:
             return known
     try:
@@ -114,7 +114,7 @@ def claim(t: Tick) -> Claimed:
         # and find it one by one (rare, so this path may hold the entries
         # of deferred items until commit; it still waits for nothing).
         rollback_to(t, sp)
-        return lock_readable(t, claim_rows(t, None))
+        return lock_readable(t, claim_rows(t))
     # The savepoint stays open (the commit releases it): a round trip saved.
     return classify(t, result)
 
@@ -235,12 +235,9 @@ def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:
     return sorted(ok), sorted(gone), sorted(deferred), {}
 
 
-def claim_rows(t: Tick, wanted: list[str] | None) -> list[str]:
-    """Claim due entries plainly (``wanted``: only those), no parent locked."""
-    if wanted is None:
-        rows = t.raw.execute(t.statements.claim_all, (t.job.name, t.job.batch_size)).fetchall()
-    else:
-        rows = t.raw.execute(t.statements.claim_wanted, (t.job.name, wanted)).fetchall()
+def claim_rows(t: Tick) -> list[str]:
+    """Claim due entries plainly (a batch of them in key order), no parent locked."""
+    rows = t.raw.execute(t.statements.claim_all, (t.job.name, t.job.batch_size)).fetchall()
     t.claimed_at = time.perf_counter()
     for item, attempts, age in rows:
         t.attempts_of[item] = attempts

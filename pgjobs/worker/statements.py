@@ -115,14 +115,6 @@ class Statements:
                 " and q.not_before <= now() order by q.key limit %s for update skip locked"
             ).format(self.queue)
         )
-        self.claim_wanted = frozen(
-            sql.SQL(
-                "select q.key::text, q.attempts,"
-                " extract(epoch from clock_timestamp() - q.enqueued_at)::float8 from {} as q"
-                " where q.job = %s and q.key = any(%s::text[]::jsonb[]) and q.dead_at is null"
-                " and q.not_before <= now() order by q.key for update skip locked"
-            ).format(self.queue)
-        )
 
     def _compose_writes(self, schema: str) -> None:
         """The statements of the processing and of the finish (:mod:`.tick`)."""
