@@ -2,9 +2,10 @@
 round trip (``pgjobs.worker.claim.claim_ahead``), on speculation, composed
 from the target as last reflected. Each way it can turn out is here, on a
 real database: adopted; undone because the target changed meanwhile;
-failed (its keys table gone) and done the usual way; rolled back with the
-transaction when the lock is busy or the job paused. In each, every item
-is processed once and the queue says so.
+failed (its keys table gone) and done the usual way; never run when the
+lock is busy (only workers with flow send it, whose lock stops the round
+trip); rolled back with the transaction when the job is paused. In each,
+every item is processed once and the queue says so.
 """
 
 from __future__ import annotations
@@ -146,33 +147,55 @@ def test_a_claim_sent_ahead_that_fails_leaves_the_tick_to_claim_as_usual(
     assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
 
 
-def test_a_claim_sent_ahead_is_rolled_back_when_the_lock_is_busy_or_the_job_paused(
+def test_a_claim_is_sent_ahead_only_behind_a_lock_that_stops_the_round_trip(
     engine: Engine, db_url: str, adopted: list[bool]
 ) -> None:
-    w = job(flow=False)  # the group's write lock tried: busy while another holds it
+    """A flow worker's lock is waited for, briefly: not granted, it fails and
+    the round trip stops before the claim (the entry queued as it was, no
+    lock of its parent kept). A worker without flow tries its lock, which
+    answers false and stops nothing: it sends no claim ahead."""
+    w = job(lock_timeout="200ms")
+    url = db_url.replace("postgresql+psycopg://", "postgresql://")
     with pgjobs.Runner(engine) as runner:
         enqueue(engine, [1])
         assert runner.tick(w, woken=True).items == 1
         enqueue(engine, [2])
-        url = db_url.replace("postgresql+psycopg://", "postgresql://")
         with psycopg.connect(url) as other:
             other.execute(
                 "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
                 (lock_name("pgjobs", w.group or w.name),),
             )
             assert runner.tick(w, woken=True).outcome is Outcome.BUSY
-            # the claim ran ahead and was undone with the transaction: the
-            # entry is queued as it was, its parent and entry locks gone
             assert queued(engine) == [("[2]", 0)]
             locked = other.execute("select id from parent where id = 2 for update nowait")
             assert locked.fetchall() == [(2,)]
             other.rollback()
+        assert runner.tick(w, woken=True).items == 1
+        plain = job(name="plain", flow=False)
+        for key in (3, 4):
+            enqueue(engine, [key], "plain")
+            assert runner.tick(plain, woken=True).items == 1
+    assert adopted == [True]  # the flow worker's tick after the busy one; none for "plain"
+    assert derived(engine) == expected([1, 2, 3, 4]) and queued(engine) == []
+
+
+def test_a_claim_sent_ahead_is_rolled_back_when_the_job_is_paused(
+    engine: Engine, adopted: list[bool]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        enqueue(engine, [1])
+        assert runner.tick(w, woken=True).items == 1
+        enqueue(engine, [2])
         with engine.begin() as conn:
             conn.execute(text("update pgjobs.job_state set paused_at = now() where job = 'w'"))
         assert runner.tick(w, woken=True).outcome is Outcome.PAUSED
+        # the claim ran ahead of the state's answer and was undone with the
+        # transaction: the entry is queued as it was
         assert queued(engine) == [("[2]", 0)]
         with engine.begin() as conn:
             conn.execute(text("update pgjobs.job_state set paused_at = null where job = 'w'"))
         result = runner.tick(w, woken=True)
     assert result.outcome is Outcome.RAN and result.items == 1
+    assert adopted == [True]
     assert derived(engine) == expected([1, 2]) and queued(engine) == []

@@ -139,13 +139,20 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     keys table known to fit), composed from the target as last reflected.
 
     Guarded (:func:`pgjobs._pg.later`): when it fails, nothing else does.
-    It runs under the run's savepoint whatever the lock and the job's
-    state say; when the tick does not go on (the lock busy, the job paused
-    or backing off) the transaction's rollback undoes it, when the
+    It runs under the run's savepoint whatever the job's state says; when
+    the tick does not go on (the job paused or backing off) the
+    transaction's rollback undoes it, when the
     verified reflection is another (the target changed) or it failed,
     :func:`claim_adopted` rolls back to its savepoint and the tick claims
-    as usual. Its locks never wait (SKIP LOCKED, item locks tried)."""
-    if job.claim is not None or job.batch_size > PRELOAD_BATCH:
+    as usual. Its locks never wait (SKIP LOCKED, item locks tried).
+
+    Only for a job with flow, whose group lock is waited for (briefly):
+    when it is not granted the lock statement fails, and the pipeline
+    stops before the claim, which so never runs without the lock. (A try
+    lock answers false and the pipeline goes on: a claim ahead of it
+    would hold, until the rollback, entries the lock's holder may then
+    pass over.)"""
+    if job.claim is not None or not job.flow or job.batch_size > PRELOAD_BATCH:
         return None
     target = cached_target(conn, job.target, key=job.key, parents=job.parents)
     if target is None or not keys_table_known_for(driver(conn), job, target):
