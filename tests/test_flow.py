@@ -521,7 +521,10 @@ def test_a_recompute_whose_s0_fails_does_not_keep_the_write_lock(
     assert result.outcome in ("failed", "interrupted"), result
     with case.engine.connect() as conn:
         held = conn.execute(
-            text("select count(*) from pg_locks where locktype = 'advisory' and granted")
+            text(
+                "select count(*) from pg_locks where locktype = 'advisory' and granted"
+                " and database = (select oid from pg_database where datname = current_database())"
+            )
         ).scalar_one()
     assert held == 0
     case.change(X)
