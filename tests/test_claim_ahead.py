@@ -52,7 +52,8 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 @pytest.fixture
 def adopted(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """For each tick that had a claim sent ahead: was it adopted?"""
+    """For each tick that had a claim sent ahead: was it adopted (False: it
+    failed and was undone, or the target changed under it)?"""
     seen: list[bool] = []
     real = pgjobs.worker.tick.claim_adopted
 
@@ -63,6 +64,15 @@ def adopted(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return result
 
     monkeypatch.setattr(pgjobs.worker.tick, "claim_adopted", spy)
+    undo = pgjobs.worker.tick.ahead_undone
+
+    def undone(conn: Any, job: Any, ahead: Any) -> Any:
+        out = undo(conn, job, ahead)
+        if ahead is not None and out is None:  # it failed, and was undone
+            seen.append(False)
+        return out
+
+    monkeypatch.setattr(pgjobs.worker.tick, "ahead_undone", undone)
     return seen
 
 
@@ -199,3 +209,25 @@ def test_a_claim_sent_ahead_is_rolled_back_when_the_job_is_paused(
     assert result.outcome is Outcome.RAN and result.items == 1
     assert adopted == [True]
     assert derived(engine) == expected([1, 2]) and queued(engine) == []
+
+
+def test_a_change_that_fails_the_claim_sent_ahead_and_changes_the_target_is_reflected_after_undo(
+    engine: Engine, adopted: list[bool]
+) -> None:
+    """The parent's key column renamed: the claim sent ahead (composed with
+    the old name) fails, and the target's catalog check says reflect again.
+    The failed claim is rolled back first, so that the reflection runs in
+    a transaction that can (it failed as aborted, and the run with it)."""
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        enqueue(engine, [1])
+        assert runner.tick(w, woken=True).items == 1
+        with engine.begin() as conn:
+            conn.execute(text("alter table parent rename column id to pid"))
+        enqueue(engine, [2])
+        result = runner.tick(w, woken=True)
+        assert result.outcome is Outcome.RAN and result.items == 1, result
+        enqueue(engine, [3])
+        assert runner.tick(w, woken=True).items == 1
+    assert adopted == [False, True]  # failed and undone; then one composed anew, adopted
+    assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []

@@ -36,6 +36,7 @@ from .state import (
     ensure_keys_table,
     error_text,
     forget_keys_table,
+    forget_keys_table_of,
     is_run_level,
     keys_table_fits,
     keys_table_known,
@@ -169,22 +170,34 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     return Ahead(target, claimed)
 
 
+def ahead_undone(conn: Connection, job: QueueJob, ahead: Ahead | None) -> Ahead | None:
+    """A claim sent ahead that failed left the transaction aborted: rolled
+    back to its savepoint first thing, before the tick reads anything (the
+    target's reflection, when the change that made the claim fail changed
+    it too); ``None`` then, else ``ahead``."""
+    if ahead is None or ahead.claimed.error is None:
+        return ahead
+    raw = driver(conn)
+    raw.execute(sql.SQL("rollback to savepoint {n}; release savepoint {n}").format(n=_AHEAD[0]))
+    forget_keys_table_of(raw)
+    error = ahead.claimed.error
+    if is_run_level(error):
+        raise error
+    log.debug("pgjobs: %s: the claim sent ahead failed: %s", job.name, error)
+    return None
+
+
 def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
-    """The claim sent ahead, if it holds: ``None`` when there was none, or
-    it failed, or the target's verified reflection is not the one it was
-    composed from (then it is undone: the caller claims as usual)."""
+    """The claim sent ahead (after :func:`ahead_undone`), if it holds:
+    ``None`` when there was none, or the target's verified reflection is
+    not the one it was composed from (then it is undone: the caller claims
+    as usual)."""
     if ahead is None:
         return None
     t.savepoints = len(_AHEAD)
     result = ahead.claimed.result
-    if ahead.claimed.error is not None or result is None or t.target is not ahead.target:
+    if result is None or t.target is not ahead.target:
         rollback_to(t, _AHEAD[0])
-        error = ahead.claimed.error
-        if error is not None:
-            forget_keys_table(t)
-            if is_run_level(error):
-                raise error
-            log.debug("pgjobs: %s: the claim sent ahead failed: %s", t.job.name, error)
         return None
     return keyed(t, result.all(), _AHEAD[1])
 
@@ -335,6 +348,7 @@ __all__ = [
     "PRELOAD_BATCH",
     "Ahead",
     "Claimed",
+    "ahead_undone",
     "claim",
     "claim_adopted",
     "claim_ahead",

@@ -194,7 +194,11 @@ def keys_table_known_for(raw: psycopg.Connection[Any], job: QueueJob, target: Ta
 
 
 def forget_keys_table(t: Tick) -> None:
-    _shapes.pop(t.raw, None)
+    forget_keys_table_of(t.raw)
+
+
+def forget_keys_table_of(raw: psycopg.Connection[Any]) -> None:
+    _shapes.pop(raw, None)
 
 
 def ensure_keys_table(t: Tick) -> None:

@@ -23,7 +23,7 @@ from ..jobs import Keys, QueueJob, RunContext
 from ..results import Execution
 from ..staging import check_coverage, stage
 from ..target import Prefetched
-from .claim import Ahead, claim, claim_adopted, claim_own, finish_own
+from .claim import Ahead, ahead_undone, claim, claim_adopted, claim_own, finish_own
 from .small import small_enough, write_small
 from .state import (
     ANALYZE_KEYS,
@@ -51,6 +51,7 @@ def run_tick(
 ) -> Execution:
     """One tick of ``job``, inside the job's transaction, the group lock held
     (``ahead``: the claim sent with the lock, :func:`.claim.claim_ahead`)."""
+    ahead = ahead_undone(conn, job, ahead)
     t = new_tick(conn, job, ctx, prefetched)
     if job.claim is not None:
         items, gone, deferred, unreadable = claim_own(t)
