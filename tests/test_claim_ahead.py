@@ -105,6 +105,13 @@ def expected(keys: list[int]) -> dict[tuple[int, int], int]:
     return {(p, n): p * 10 + n for p in keys for n in (1, 2)}
 
 
+def ran_one(engine: Engine, runner: pgjobs.Runner, w: pgjobs.QueueJob, key: int) -> None:
+    """Enqueue ``key`` and run a woken tick, which processes it."""
+    enqueue(engine, [key], w.name)
+    result = runner.tick(w, woken=True)
+    assert result.outcome is Outcome.RAN and result.items == 1, result
+
+
 def test_a_claim_sent_with_the_lock_is_adopted_after_the_first_tick(
     engine: Engine, adopted: list[bool]
 ) -> None:
@@ -124,8 +131,7 @@ def test_a_target_changed_since_its_reflection_undoes_the_claim_sent_ahead(
 ) -> None:
     w = job()
     with pgjobs.Runner(engine) as runner:
-        enqueue(engine, [1])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 1)
         # an index added: the verified reflection is another object than the
         # one the claim was composed from
         with engine.begin() as conn:
@@ -142,15 +148,12 @@ def test_a_claim_sent_ahead_that_fails_leaves_the_tick_to_claim_as_usual(
 ) -> None:
     w = job()
     with pgjobs.Runner(engine) as runner:
-        enqueue(engine, [1])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 1)
         # the session's keys table dropped under the worker (its one connection)
         with engine.connect() as conn:
             conn.exec_driver_sql("drop table pg_temp.pgjobs_keys")
             conn.commit()
-        enqueue(engine, [2])
-        result = runner.tick(w, woken=True)
-        assert result.outcome is Outcome.RAN and result.items == 1, result
+        ran_one(engine, runner, w, 2)
         enqueue(engine, [3])
         assert runner.tick(w, woken=True).items == 1  # made again, known again
     assert adopted == [False, True]
@@ -167,8 +170,7 @@ def test_a_claim_is_sent_ahead_only_behind_a_lock_that_stops_the_round_trip(
     w = job(lock_timeout="200ms")
     url = db_url.replace("postgresql+psycopg://", "postgresql://")
     with pgjobs.Runner(engine) as runner:
-        enqueue(engine, [1])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 1)
         enqueue(engine, [2])
         with psycopg.connect(url) as other:
             other.execute(
@@ -194,8 +196,7 @@ def test_a_claim_sent_ahead_is_rolled_back_when_the_job_is_paused(
 ) -> None:
     w = job()
     with pgjobs.Runner(engine) as runner:
-        enqueue(engine, [1])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 1)
         enqueue(engine, [2])
         with engine.begin() as conn:
             conn.execute(text("update pgjobs.job_state set paused_at = now() where job = 'w'"))
@@ -220,14 +221,10 @@ def test_a_change_that_fails_the_claim_sent_ahead_and_changes_the_target_is_refl
     a transaction that can (it failed as aborted, and the run with it)."""
     w = job()
     with pgjobs.Runner(engine) as runner:
-        enqueue(engine, [1])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 1)
         with engine.begin() as conn:
             conn.execute(text("alter table parent rename column id to pid"))
-        enqueue(engine, [2])
-        result = runner.tick(w, woken=True)
-        assert result.outcome is Outcome.RAN and result.items == 1, result
-        enqueue(engine, [3])
-        assert runner.tick(w, woken=True).items == 1
+        ran_one(engine, runner, w, 2)
+        ran_one(engine, runner, w, 3)
     assert adopted == [False, True]  # failed and undone; then one composed anew, adopted
     assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
