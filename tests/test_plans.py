@@ -296,7 +296,7 @@ def test_the_small_write_is_planned_for_its_handful_of_keys(db_url: str) -> None
     finally:
         engine.dispose()
     assert len(found) == 1, [t[:80] for t, _ in found]
-    ((text, plan),) = found
+    ((_, plan),) = found
     keys = [n for n in nodes(plan) if n.get("Subplan Name") == "CTE k"]
     assert keys and keys[0]["Plan Rows"] <= SMALL_KEYS, show(found)
     assert plan["Total Cost"] < limit, show(found)
