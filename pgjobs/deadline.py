@@ -236,15 +236,21 @@ def cancel_statement(raw: psycopg.Connection[Any], *, timeout: float = 5.0) -> b
 
 def exceeded(exc: BaseException | None) -> bool:
     """Did ``exc`` (or what it wraps) come from a deadline that passed?"""
+    return passed(exc) is not None
+
+
+def passed(exc: BaseException | None) -> DeadlineExceeded | None:
+    """The deadline that passed behind ``exc``, if one did: what to report
+    rather than what it caused afterwards ("the connection is closed", from
+    a rollback on the connection it abandoned)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, DeadlineExceeded) or isinstance(
-            getattr(exc, "orig", None), DeadlineExceeded
-        ):
-            return True
+        for found in (exc, getattr(exc, "orig", None)):
+            if isinstance(found, DeadlineExceeded):
+                return found
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
 
 
 __all__ = [
@@ -260,4 +266,5 @@ __all__ = [
     "bounded",
     "cancel_statement",
     "exceeded",
+    "passed",
 ]

@@ -30,9 +30,10 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection, Engine
 
-from ._pg import execute
+from ._pg import execute, send, set_local
 from .config import Config
 from .database import resolve_engine
+from .deadline import DEFAULT_CALL_TIMEOUT, bound_of
 from .durations import format_duration
 from .errors import ConfigError
 from .jobs import Job, QueueJob
@@ -43,14 +44,30 @@ from .store import Store
 
 
 @contextlib.contextmanager
-def engine_for(url: str | None) -> Iterator[Engine]:
-    """An engine for ``url`` (``None``: ``$PGJOBS_DATABASE_URL``), disposed after."""
-    engine, owned = resolve_engine(url)
+def engine_for(url: str | None, *, call_timeout: float = DEFAULT_CALL_TIMEOUT) -> Iterator[Engine]:
+    """An engine for ``url`` (``None``: ``$PGJOBS_DATABASE_URL``), each round
+    trip bounded by ``call_timeout`` seconds, disposed after."""
+    engine, owned = resolve_engine(url, call_timeout=call_timeout)
     try:
         yield engine
     finally:
         if owned:
             engine.dispose()
+
+
+@contextlib.contextmanager
+def _transaction(engine: Engine, store: Store) -> Iterator[Connection]:
+    """A connection in a transaction (pgjobs' schema checked first) whose
+    statements stop on the server within the connection's round-trip bound
+    (the config's ``call_timeout``): a lock another session holds is not
+    waited for past it, by the server either."""
+    with engine.connect() as conn:
+        store.ensure(conn)
+        with conn.begin():
+            seconds = bound_of(conn)
+            if seconds:
+                send(conn, set_local({"statement_timeout": f"{max(1, int(seconds * 1000))}ms"}))
+            yield conn
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +97,19 @@ def pause(engine: Engine, store: Store, job: Job, *, reason: str | None) -> tupl
     """Pause ``job`` on every scheduler of the database; returns the pause
     and whether it is new (a job paused already keeps its ``since`` and
     takes the new reason)."""
-    with engine.connect() as conn:
-        store.ensure(conn)
-        with conn.begin():
-            before = _read_pause(conn, store, job.name, lock=True)
-            row = execute(
-                conn,
-                sql.SQL(
-                    "insert into {} as s (job, paused_at, paused_reason, paused_by)"
-                    " values (%s, now(), %s, %s) on conflict (job) do update set"
-                    " paused_at = coalesce(s.paused_at, excluded.paused_at),"
-                    " paused_reason = excluded.paused_reason, paused_by = excluded.paused_by"
-                    " returning paused_at, paused_reason, paused_by"
-                ).format(_state(store)),
-                (job.name, reason, who()),
-            ).fetchone()
+    with _transaction(engine, store) as conn:
+        before = _read_pause(conn, store, job.name, lock=True)
+        row = execute(
+            conn,
+            sql.SQL(
+                "insert into {} as s (job, paused_at, paused_reason, paused_by)"
+                " values (%s, now(), %s, %s) on conflict (job) do update set"
+                " paused_at = coalesce(s.paused_at, excluded.paused_at),"
+                " paused_reason = excluded.paused_reason, paused_by = excluded.paused_by"
+                " returning paused_at, paused_reason, paused_by"
+            ).format(_state(store)),
+            (job.name, reason, who()),
+        ).fetchone()
     assert row is not None
     return Pause(job.name, row[0], row[1], row[2]), before is None
 
@@ -102,22 +117,20 @@ def pause(engine: Engine, store: Store, job: Job, *, reason: str | None) -> tupl
 def resume(engine: Engine, store: Store, job: Job) -> Pause | None:
     """Resume ``job``; the pause it ended (``None``: it was not paused). A
     queue job's schedulers are woken to drain what accumulated."""
-    with engine.connect() as conn:
-        store.ensure(conn)
-        with conn.begin():
-            before = _read_pause(conn, store, job.name, lock=True)
-            if before is None:
-                return None
-            execute(
-                conn,
-                sql.SQL(
-                    "update {} set paused_at = null, paused_reason = null, paused_by = null"
-                    " where job = %s"
-                ).format(_state(store)),
-                (job.name,),
-            )
-            if isinstance(job, QueueJob):
-                execute(conn, "select pg_notify(%s, '')", (channel(store.schema, job.name),))
+    with _transaction(engine, store) as conn:
+        before = _read_pause(conn, store, job.name, lock=True)
+        if before is None:
+            return None
+        execute(
+            conn,
+            sql.SQL(
+                "update {} set paused_at = null, paused_reason = null, paused_by = null"
+                " where job = %s"
+            ).format(_state(store)),
+            (job.name,),
+        )
+        if isinstance(job, QueueJob):
+            execute(conn, "select pg_notify(%s, '')", (channel(store.schema, job.name),))
     return before
 
 
@@ -312,20 +325,18 @@ def enqueue_keys(
     engine: Engine, store: Store, job: QueueJob, texts: Sequence[str], *, as_json: bool
 ) -> Enqueued:
     """``pgjobs enqueue``: the keys into the job's queue, in one transaction."""
-    with engine.connect() as conn:
-        store.ensure(conn)
-        with conn.begin():
-            keys = parse_keys(conn, job, texts, as_json=as_json)
-            stored = sorted({key_json(k, len(job.scope)) for k in keys})
-            dead = execute(
-                conn,
-                sql.SQL(
-                    "select count(*) from {} where job = %s and key = any(%s::jsonb[])"
-                    " and dead_at is not null"
-                ).format(store.table("queue")),
-                (job.name, stored),
-            ).fetchone()[0]  # type: ignore[index]
-            changed = enqueue(conn, job, keys, schema=store.schema)
+    with _transaction(engine, store) as conn:
+        keys = parse_keys(conn, job, texts, as_json=as_json)
+        stored = sorted({key_json(k, len(job.scope)) for k in keys})
+        dead = execute(
+            conn,
+            sql.SQL(
+                "select count(*) from {} where job = %s and key = any(%s::jsonb[])"
+                " and dead_at is not null"
+            ).format(store.table("queue")),
+            (job.name, stored),
+        ).fetchone()[0]  # type: ignore[index]
+        changed = enqueue(conn, job, keys, schema=store.schema)
     return Enqueued(added=changed - dead, revived=dead, pending=len(stored) - changed)
 
 
@@ -346,42 +357,45 @@ def revive(
 ) -> Revived:
     """``pgjobs revive``: the job's dead items (those of ``texts``, else all)
     due again now, with their attempts reset; the job's schedulers are woken."""
-    with engine.connect() as conn:
-        store.ensure(conn)
-        with conn.begin():
-            only, params = sql.SQL(""), [job.name]
-            stored: list[str] = []
-            if texts:
-                keys = parse_keys(conn, job, texts, as_json=as_json)
-                stored = sorted({key_json(k, len(job.scope)) for k in keys})
-                only = sql.SQL(" and key = any(%s::jsonb[])")
-                params.append(stored)  # type: ignore[arg-type]
-            count = execute(
-                conn,
-                sql.SQL(
-                    "update {} set attempts = 0, dead_at = null, last_error = null,"
-                    " not_before = now(), enqueued_at = now()"
-                    " where job = %s and dead_at is not null{}"
-                ).format(store.table("queue"), only),
-                params,
-            ).rowcount
-            if count:
-                execute(conn, "select pg_notify(%s, '')", (channel(store.schema, job.name),))
+    with _transaction(engine, store) as conn:
+        only, params = sql.SQL(""), [job.name]
+        stored: list[str] = []
+        if texts:
+            keys = parse_keys(conn, job, texts, as_json=as_json)
+            stored = sorted({key_json(k, len(job.scope)) for k in keys})
+            only = sql.SQL(" and key = any(%s::jsonb[])")
+            params.append(stored)  # type: ignore[arg-type]
+        count = execute(
+            conn,
+            sql.SQL(
+                "update {} set attempts = 0, dead_at = null, last_error = null,"
+                " not_before = now(), enqueued_at = now()"
+                " where job = %s and dead_at is not null{}"
+            ).format(store.table("queue"), only),
+            params,
+        ).rowcount
+        if count:
+            execute(conn, "select pg_notify(%s, '')", (channel(store.schema, job.name),))
     return Revived(revived=count, not_dead=len(stored) - count if texts else 0)
 
 
 class Operator:
     """The operator's commands on the jobs of a config and its plugins
-    (what ``pgjobs pause|resume|enqueue|revive`` print)."""
+    (what ``pgjobs pause|resume|enqueue|revive`` print), with the config's
+    ``call_timeout`` on each round trip and its ``auto_migrate``."""
 
     def __init__(self, config: Config, registry: Registry, url: str | None) -> None:
         self.registry = registry
-        self.store = Store(config.schema)
+        self.store = Store(config.schema, auto_migrate=config.auto_migrate)
         self.url = url
+        self.call_timeout = config.call_timeout.total_seconds()
+
+    def _engine(self) -> contextlib.AbstractContextManager[Engine]:
+        return engine_for(self.url, call_timeout=self.call_timeout)
 
     def pause(self, name: str, *, reason: str | None) -> str:
         job = self.registry.get(name)
-        with engine_for(self.url) as engine:
+        with self._engine() as engine:
             found, new = pause(engine, self.store, job, reason=reason)
         why = f" ({found.reason})" if found.reason else ""
         if new:
@@ -390,7 +404,7 @@ class Operator:
 
     def resume(self, name: str) -> str:
         job = self.registry.get(name)
-        with engine_for(self.url) as engine:
+        with self._engine() as engine:
             ended = resume(engine, self.store, job)
         if ended is None:
             return f"pgjobs: {name} was not paused"
@@ -398,7 +412,7 @@ class Operator:
 
     def enqueue(self, name: str, keys: Sequence[str], *, as_json: bool) -> str:
         job = queue_job(self.registry.get(name))
-        with engine_for(self.url) as engine:
+        with self._engine() as engine:
             done = enqueue_keys(engine, self.store, job, keys, as_json=as_json)
         return (
             f"pgjobs: {name}: {done.added + done.revived} item(s) enqueued ({done.added} added,"
@@ -407,7 +421,7 @@ class Operator:
 
     def revive(self, name: str, keys: Sequence[str], *, as_json: bool) -> str:
         job = queue_job(self.registry.get(name))
-        with engine_for(self.url) as engine:
+        with self._engine() as engine:
             done = revive(engine, self.store, job, list(keys) or None, as_json=as_json)
         line = f"pgjobs: {name}: revived {done.revived} dead item(s)"
         if done.not_dead:

@@ -596,3 +596,49 @@ def test_call_timeout_in_pgjobs_toml_reaches_the_runner_and_a_bad_one_names_the_
         assert str(bad) in str(caught.value)
     with pytest.raises(pgjobs.ConfigError, match="call_timeout: must be positive"):
         pgjobs.Runner(db_url, call_timeout=0)
+
+
+def test_status_and_the_operators_commands_stop_at_the_configs_call_timeout(
+    tmp_path, db_url: str
+) -> None:
+    # The status read and `pgjobs pause` wait for a lock another session
+    # holds on job_state; the config's call_timeout (1 s here, not the
+    # default 10 s) bounds them: status's statement stops on the server.
+    from click.testing import CliRunner
+
+    from pgjobs.cli import cli
+
+    pgjobs.install(db_url)
+    config = tmp_path / "pgjobs.toml"
+    config.write_text(
+        'call_timeout = "1s"\n[jobs.t]\nkind = "recompute"\ntarget = "t"\n'
+        'sql = "select 1 as id"\nevery = "1h"\n'
+    )
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as holder, holder.begin():
+            holder.exec_driver_sql("lock table pgjobs.job_state in access exclusive mode")
+            for command in (["status", "--json"], ["pause", "t"]):
+                started = time.monotonic()
+                result = CliRunner().invoke(
+                    cli, [*command, "-c", str(config), "--database", db_url]
+                )
+                took = time.monotonic() - started
+                # the server's words (statement timeout) or the client's, never
+                # what the abandoned connection said afterwards
+                assert result.exit_code == 3, result.output
+                assert "timeout" in result.output or "within 1 s" in result.output, result.output
+                assert took < 5, (command, took, result.output)
+            # nothing left waiting on the server once its statement_timeout
+            # passed (the client's bound, the same second, may pass first)
+            waiters = (
+                "select count(*) from pg_locks l join pg_class c on c.oid = l.relation"
+                " where c.relname = 'job_state' and not l.granted"
+            )
+            wait_until(
+                lambda: holder.exec_driver_sql(waiters).scalar_one() == 0,
+                timeout=3,
+                what="the waiting statements stopped on the server",
+            )
+    finally:
+        engine.dispose()

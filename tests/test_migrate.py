@@ -193,6 +193,10 @@ def test_auto_migrate_off_refuses_naming_pgjobs_migrate(db_url: str, tmp_path: P
     assert "run `pgjobs migrate` first" in refused.output
     assert "001_core" in refused.output and "auto_migrate = false" in refused.output
     assert versions(db_url) == []  # nothing installed
+    # the operator's commands honour it too (they had taken the default, and migrated)
+    paused = invoke("pause", "totals", "-c", str(cfg))
+    assert paused.exit_code == 2 and "run `pgjobs migrate` first" in paused.output, paused.output
+    assert versions(db_url) == []
 
     job = pgjobs.TaskJob(name="noop", run=lambda conn: 0, every="1h")
     with pytest.raises(SchemaError, match="pgjobs migrate"):

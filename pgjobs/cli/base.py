@@ -72,8 +72,10 @@ def _errors() -> Iterator[None]:
         if not isinstance(exc, DBAPIError | psycopg.Error):
             raise
         from .._pg import first_line
+        from ..deadline import passed
 
-        click.echo(f"pgjobs: database error: {first_line(exc)}", err=True)
+        said = first_line(passed(exc) or exc).removeprefix("pgjobs: ")
+        click.echo(f"pgjobs: database error: {said}", err=True)
         sys.exit(EXIT_DATABASE)
 
 

@@ -96,12 +96,14 @@ def _status(
     from ..operate import last_check_of, paused_of
     from ..readmodel import read_status
 
-    engine, owned = resolve_engine(url)
+    bound = config.call_timeout.total_seconds()
+    engine, owned = resolve_engine(url, call_timeout=bound)
     names = [e.job.name for e in registry.entries()]
     try:
         with engine.connect() as conn, conn.begin():
             # Reading must not install pgjobs' tables: status writes nothing.
-            read = read_status(conn, config.schema, jobs=names)
+            # Each statement stops on the server within the round trip's bound.
+            read = read_status(conn, config.schema, jobs=names, statement_timeout=bound)
     finally:
         if owned:
             engine.dispose()
