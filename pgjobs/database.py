@@ -39,7 +39,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
-from .deadline import DEFAULT_CALL_TIMEOUT, bound_engine
+from .deadline import CONNECT_TIMEOUT, DEFAULT_CALL_TIMEOUT, bound_engine
 from .errors import ConfigError
 
 ENV_URL = "PGJOBS_DATABASE_URL"
@@ -74,7 +74,7 @@ CONNECT_DEFAULTS: dict[str, int] = {
     "keepalives_interval": 5,
     "keepalives_count": 3,
     "tcp_user_timeout": 20_000,
-    "connect_timeout": 5,
+    "connect_timeout": CONNECT_TIMEOUT,
 }
 
 _MULTI_HOST = re.compile(

@@ -25,7 +25,12 @@ closed, *broken*), and :class:`DeadlineExceeded` is raised: an
 disconnect, so that its pool hands out a fresh connection next.
 
 Connecting is bounded by libpq's ``connect_timeout`` (psycopg applies it
-client-side; engines pgjobs creates set it, see :mod:`pgjobs.database`).
+client-side): engines pgjobs creates set it (:mod:`pgjobs.database`), and
+:func:`bound_engine` gives a user's engine :data:`CONNECT_TIMEOUT` unless it
+sets one itself (its URL or ``connect_args``, a ``conninfo`` string,
+``$PGCONNECT_TIMEOUT``): without one, a connect to a host that accepts and
+never answers (a failover's old primary behind a proxy) waited some two
+minutes, for the kernel to give up; a shutdown's last heartbeat with it.
 
 :func:`abandon_connection` may be called from another thread too (a
 shutdown deadline cancelling what runs: shut the socket down, and the
@@ -53,6 +58,9 @@ log = logging.getLogger(__name__)
 #: seconds: the default bound of a bookkeeping round trip (pgjobs' own
 #: statements, the pool's ping, the listener's check)
 DEFAULT_CALL_TIMEOUT = 10.0
+#: seconds: the longest a connect waits for a host (libpq's
+#: ``connect_timeout``), on a user's engine that sets none
+CONNECT_TIMEOUT = 5
 #: seconds: the least bound of one round trip of an installation (a
 #: migration may rewrite a table, or wait for another process installing);
 #: :func:`pgjobs.migrations.migrate` allows more where its settings let the
@@ -191,9 +199,21 @@ def bound_engine(engine: Engine, call_timeout: float, *, own: bool = True) -> No
         if isinstance(dbapi_conn, psycopg.Connection):
             bound(dbapi_conn, float(engine.__dict__[_BOUND_ENGINES]) if own else 0.0)
 
+    event.listen(engine, "do_connect", _connect_bounded)
     event.listen(engine, "connect", for_ping)
     event.listen(engine, "checkin", for_ping)
     event.listen(engine, "checkout", for_use)
+
+
+def _connect_bounded(_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+    """A connect of an engine that sets no ``connect_timeout`` gets one."""
+    given = (
+        "connect_timeout" in cparams
+        or bool(os.environ.get("PGCONNECT_TIMEOUT"))
+        or any("connect_timeout" in str(v) for v in (*cargs, cparams.get("conninfo", "")))
+    )
+    if not given:
+        cparams["connect_timeout"] = CONNECT_TIMEOUT
 
 
 def abandon_connection(raw: psycopg.Connection[Any], *, owner: bool = False) -> None:
@@ -254,6 +274,7 @@ def passed(exc: BaseException | None) -> DeadlineExceeded | None:
 
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "DEFAULT_CALL_TIMEOUT",
     "INSTALL_TIMEOUT",
     "BoundedConnection",

@@ -90,13 +90,18 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="pgjobs-heartbeat", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, delete: bool = True) -> None:
         """End the beats and delete this scheduler's row (bounded: a database
-        that does not answer leaves it, to be pruned)."""
+        that does not answer leaves it, to be pruned). ``delete=False``
+        leaves it at once (a shutdown past its deadline, its ticks stuck:
+        the database is likely away, and the row shows the scheduler gone
+        quiet until it is pruned)."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=5.0)
+        if not delete:
+            return
         try:
             with self.connect() as conn, conn.begin():
                 send(

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,7 +40,7 @@ from .records import (
     tick_bound,
 )
 from .results import Execution, Outcome, RunResult
-from .steps import Tick
+from .steps import CANCEL_TIMEOUT, Tick
 from .store import DEFAULT_SCHEMA, Store
 from .worker import BODY as QUEUE
 
@@ -140,15 +141,27 @@ class Runner:
         self._running: set[Tick] = set()
         self._running_lock = threading.Lock()
 
-    def cancel_running(self) -> list[str]:
+    def cancel_running(self, timeout: float = CANCEL_TIMEOUT) -> list[str]:
         """Cancel the statements of the ticks running now, on the server (a
         shutdown deadline): each rolls back and ends ``cancelled``, which is
         not a failure and starts no backoff. Returns their jobs' names. Call
-        it again to cancel a tick that was between two statements."""
+        it again to cancel a tick that was between two statements.
+
+        Returns within ``timeout`` seconds: the requests go out side by
+        side, each given that long to reach the server (one that cannot be
+        reached, a failed-over host, would otherwise hold the caller that
+        long per tick)."""
         with self._running_lock:
             ticks = list(self._running)
-        for tick in ticks:
-            tick.cancel()
+        threads = [
+            threading.Thread(target=tick.cancel, args=(timeout,), name="pgjobs-cancel", daemon=True)
+            for tick in ticks
+        ]
+        end = time.monotonic() + timeout
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
         return [tick.job.name for tick in ticks]
 
     @contextlib.contextmanager

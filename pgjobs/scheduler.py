@@ -419,19 +419,22 @@ class Scheduler:
         done = self._flight.wait(deadline.total_seconds())
         names: list[str] = []
         if not done:
-            names = self.runner.cancel_running()
+            # the cancels too end within the grace (a server that cannot be
+            # reached does not hold the shutdown past it)
+            end = time.monotonic() + CANCEL_GRACE
+            names = self.runner.cancel_running(timeout=CANCEL_GRACE)
             log.warning(
                 "pgjobs: shutdown deadline (%s) passed; cancelling the running tick(s) of %s",
                 format_duration(deadline),
                 ", ".join(names) or "no job (between two ticks)",
             )
-            end = time.monotonic() + CANCEL_GRACE
             # a tick between two statements missed the cancel: ask again
             while not done and time.monotonic() < end:
                 done = self._flight.wait(min(0.1, max(0.0, end - time.monotonic())))
-                if not done:
-                    names = self.runner.cancel_running()
-        self.heartbeat.stop()
+                left = end - time.monotonic()
+                if not done and left > 0:
+                    names = self.runner.cancel_running(timeout=left)
+        self.heartbeat.stop(delete=done)
         if done:
             self.runner.close()
             log.info("pgjobs: scheduler stopped")

@@ -68,6 +68,9 @@ from .store import JobState, Store
 #: the tick logs as the runner (what operators filter on: `pgjobs.runner`)
 log = logging.getLogger("pgjobs.runner")
 
+#: the longest a shutdown's cancel request may take (connect, send, the answer)
+CANCEL_TIMEOUT = 2.0
+
 
 class Host(Protocol):
     """What a tick needs of its :class:`~pgjobs.Runner`."""
@@ -163,11 +166,12 @@ class Tick:
             return self._record_cancelled()
         return self._locked_run()
 
-    def cancel(self) -> None:
+    def cancel(self, timeout: float = CANCEL_TIMEOUT) -> None:
         """Cancel what this tick runs now, from another thread (a shutdown
         deadline); the tick then rolls back and ends ``cancelled``. The lock
-        keeps the tick from its rollback while the request is on its way, so
-        that the request cannot cancel the rollback or the record instead."""
+        keeps the tick from its rollback while the request is on its way (at
+        most ``timeout`` seconds), so that the request cannot cancel the
+        rollback or the record instead."""
         with self._cancel_lock:
             if self.ending:
                 return
@@ -175,7 +179,7 @@ class Tick:
             conn = self.conn
             raw = None if conn.invalidated or conn.closed else conn.connection.driver_connection
             if isinstance(raw, psycopg.Connection):
-                cancel_statement(raw, timeout=CANCEL_TIMEOUT)
+                cancel_statement(raw, timeout=timeout)
 
     def _end(self) -> bool:
         """From here on the tick's statements are its rollback and its record
@@ -595,8 +599,6 @@ _SESSION_CHANGED = (
 _told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
-#: the longest a shutdown's cancel request may take (connect, send, the answer)
-CANCEL_TIMEOUT = 2.0
 #: the longest a flow worker waits for the group's write lock (a recompute's
 #: chunk, or its start snapshot); then ``busy``
 FLOW_WAIT = timedelta(seconds=2)

@@ -59,6 +59,8 @@ class Proxy:
         self.lock = threading.Lock()
         self.pairs: list[tuple[socket.socket, socket.socket, threading.Event]] = []
         self.closed = threading.Event()
+        #: connections made from now on are frozen too (see freeze)
+        self.freezing = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -74,6 +76,8 @@ class Proxy:
                 upstream.connect(self.target)
             frozen = threading.Event()
             with self.lock:
+                if self.freezing:
+                    frozen.set()
                 self.pairs.append((client, upstream, frozen))
             threading.Thread(
                 target=self._pipe, args=(client, upstream, frozen), daemon=True
@@ -99,9 +103,11 @@ class Proxy:
                 a.close()
                 b.close()
 
-    def freeze(self) -> int:
-        """Freeze every connection so far; how many."""
+    def freeze(self, *, new: bool = False) -> int:
+        """Freeze every connection so far; how many. ``new``: the connections
+        made after it too (a host gone: a cancel request cannot reach it)."""
         with self.lock:
+            self.freezing = new
             for _, _, frozen in self.pairs:
                 frozen.set()
             return len(self.pairs)
@@ -641,4 +647,51 @@ def test_status_and_the_operators_commands_stop_at_the_configs_call_timeout(
                 what="the waiting statements stopped on the server",
             )
     finally:
+        engine.dispose()
+
+
+def test_a_shutdown_deadline_holds_when_the_cancel_cannot_reach_the_server(
+    db_url: str, proxy: Proxy
+) -> None:
+    # Two ticks sleep in a statement through the proxy; then the host
+    # "goes": its connections and any new one are frozen. The shutdown
+    # returns within its deadline and the cancel grace: the cancel requests
+    # go out side by side within the grace (each had waited 2 s for its
+    # connection, tick after tick, attempt after attempt), and the
+    # heartbeat's row is left to be pruned (deleting it had connected
+    # afresh, for some two minutes on this engine of the user's, which sets
+    # no connect_timeout: now pgjobs' 5 s, shown below).
+    from pgjobs.deadline import CONNECT_TIMEOUT
+    from pgjobs.firing import CANCEL_GRACE
+
+    entered = threading.Event()
+
+    def slow(conn: object) -> None:
+        entered.set()
+        conn.execute(text("select pg_sleep(60)"))  # type: ignore[attr-defined]
+
+    engine = create_engine(through(db_url, proxy))
+    jobs = [pgjobs.TaskJob(name=f"slow-{n}", every="1h", run=slow) for n in range(2)]
+    scheduler = pgjobs.Scheduler(jobs, engine, check=False)
+    try:
+        scheduler.start()
+        assert entered.wait(WAIT)
+        wait_until(lambda: len(scheduler.runner._running) == 2, what="both ticks running")
+        proxy.freeze(new=True)
+        began = time.monotonic()
+        stopped = scheduler.shutdown(timeout="300ms")
+        took = time.monotonic() - began
+        assert not stopped  # the ticks are stuck on the frozen connections, left to their bound
+        assert took < 0.3 + CANCEL_GRACE + 1, took
+        # a connect of an engine of the user's that sets no connect_timeout,
+        # given to pgjobs, to the gone host
+        fresh = create_engine(through(db_url, proxy))
+        pgjobs.Runner(fresh)
+        began = time.monotonic()
+        with pytest.raises(Exception, match="timeout"):
+            fresh.connect().close()
+        assert time.monotonic() - began < CONNECT_TIMEOUT + 2
+        fresh.dispose()
+    finally:
+        proxy.close()  # the stuck ticks' connections fail now
         engine.dispose()
