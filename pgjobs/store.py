@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy.engine import Connection
 
 from . import migrations
-from ._pg import execute, send, set_local
+from ._pg import execute, frozen, send, set_local
 from .results import RunResult
 
 DEFAULT_SCHEMA = "pgjobs"
@@ -57,6 +57,8 @@ class Store:
         #: apply pending migrations at the first :meth:`ensure` (else refuse)
         self.auto_migrate = auto_migrate
         self._ready = False
+        #: statements sent tick after tick, composed once (by kind)
+        self._composed: dict[tuple[Any, ...], sql.SQL] = {}
 
     def table(self, name: str) -> sql.Identifier:
         return sql.Identifier(self.schema, name)
@@ -83,14 +85,19 @@ class Store:
 
     def state_query(
         self, job: str, *, settings: Mapping[str, str] | None = None
-    ) -> tuple[sql.Composed, list[Any]]:
-        """:meth:`read_state`'s statement and parameters, to send with others."""
+    ) -> tuple[sql.SQL, list[Any]]:
+        """:meth:`read_state`'s statement and parameters, to send with others
+        (composed once per number of settings)."""
         cfg, params = set_local(settings or {})
-        query = sql.SQL(
-            "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
-            " s.last_failure_at, s.last_error, s.paused_at, s.paused_reason"
-            " from ({}) cfg left join {} s on s.job = %s"
-        ).format(cfg, self.table("job_state"))
+        query = self._composed.get(("state", len(params)))
+        if query is None:
+            query = self._composed[("state", len(params))] = frozen(
+                sql.SQL(
+                    "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
+                    " s.last_failure_at, s.last_error, s.paused_at, s.paused_reason"
+                    " from ({}) cfg left join {} s on s.job = %s"
+                ).format(cfg, self.table("job_state"))
+            )
         return query, [*params, job]
 
     @staticmethod
@@ -174,7 +181,7 @@ class Store:
 
     def run_query(
         self, result: RunResult, worker: str, *, success_next_attempt: datetime | None = None
-    ) -> tuple[sql.Composed, dict[str, Any]]:
+    ) -> tuple[sql.SQL, dict[str, Any]]:
         """:meth:`insert_run`'s statement and parameters (it returns the id)."""
         s = result.stats
         params = {
@@ -198,6 +205,10 @@ class Store:
             "detail": Jsonb(result.detail, dumps=_dumps) if result.detail else None,
             "next": success_next_attempt,
         }
+        kind = ("run", success_next_attempt is not None)
+        known = self._composed.get(kind)
+        if known is not None:
+            return known, params
         insert = sql.SQL(
             "insert into {} (job, outcome, started_at, finished_at, compute_ms, write_ms,"
             " lock_ms, inserted, updated, deleted, skipped_missing_parent, unchanged, items,"
@@ -215,7 +226,8 @@ class Store:
                 " failures = 0, last_started_at = excluded.last_started_at,"
                 " last_success_at = excluded.last_success_at, updated_at = excluded.updated_at) {}"
             ).format(self.table("job_state"), insert)
-        return insert, params
+        made = self._composed[kind] = frozen(insert)
+        return made, params
 
     def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
         """Delete runs that started more than ``keep`` before ``now``."""

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import Later, driver, later, send
+from .._pg import Later, driver, frozen, later, send
 from ..jobs import QueueJob, RunContext
 from ..queue import key_json
 from ..target import Target, cached_target
@@ -131,6 +131,8 @@ class Ahead:
 
 #: the savepoints a claim sent ahead takes: before it (to undo it) and after it
 _AHEAD = (sql.Identifier("pgjobs_q1"), sql.Identifier("pgjobs_q2"))
+#: their statements, composed once
+_AHEAD_SAVEPOINTS = tuple(frozen(sql.SQL("savepoint {}").format(n)) for n in _AHEAD)
 
 
 def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | None:
@@ -161,12 +163,12 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     statements = statements_for(job, ctx.schema, target)
     if not statements.item_parents:
         return None
-    before, after = _AHEAD
-    later(conn, sql.SQL("savepoint {}").format(before), guarded=True)
+    before, after = _AHEAD_SAVEPOINTS
+    later(conn, before, guarded=True)
     claimed = later(
         conn, statements.claim_keyed, {"job": job.name, "n": job.batch_size}, guarded=True
     )
-    later(conn, sql.SQL("savepoint {}").format(after), guarded=True)
+    later(conn, after, guarded=True)
     return Ahead(target, claimed)
 
 

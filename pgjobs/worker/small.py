@@ -21,14 +21,13 @@ import psycopg
 from psycopg import sql
 from sqlalchemy import text
 
-from .._pg import send
+from .._pg import frozen, send
 from ..diff import WriteResult
 from ..diff.small import SmallDiff
 from ..staging import check_coverage
 from ..staging.query import bind, plain_sql, probe_sql, strip
 from ..staging.table import check_columns
 from .state import Tick, is_run_level
-from .statements import frozen
 
 #: batches of up to this many keys take the one-statement write. Measured
 #: (docs/queue-performance.md): at 10 keys the statement drained 1,140-1,620

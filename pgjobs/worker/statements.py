@@ -18,17 +18,13 @@ from typing import Any
 
 from psycopg import sql
 
+from .._pg import frozen
 from ..jobs import QueueJob
 from ..queue import queue_table
 from ..target import Target
 
 #: the temp table holding the current batch's scope values (compute SQL may join it)
 KEYS_TABLE = "pgjobs_keys"
-
-
-def frozen(statement: sql.Composable) -> sql.SQL:
-    """``statement`` rendered once: an ``sql.SQL`` that psycopg only encodes."""
-    return sql.SQL(statement.as_string(None))
 
 
 @dataclass(frozen=True, slots=True)
