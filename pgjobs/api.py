@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from .database import resolve_engine
+from .database import engine_for
 from .deadline import DEFAULT_CALL_TIMEOUT
 from .drift import SAMPLE, CheckResult, check_on, workers_of
 from .durations import Duration, parse_duration
@@ -96,21 +96,17 @@ def check(
     timeout = parse_duration(call_timeout, field="call_timeout")
     if timeout <= timedelta(0):
         raise ConfigError(f"call_timeout: must be positive, got {call_timeout!r}")
-    engine, owned = resolve_engine(database, call_timeout=timeout.total_seconds())
-    try:
-        with engine.connect() as conn:
-            return check_on(
-                conn,
-                job,
-                keys=keys,
-                sample=sample,
-                workers=workers or (),
-                schema=schema,
-                call_timeout=timeout.total_seconds(),
-            )
-    finally:
-        if owned:
-            engine.dispose()
+    bound = timeout.total_seconds()
+    with engine_for(database, call_timeout=bound) as engine, engine.connect() as conn:
+        return check_on(
+            conn,
+            job,
+            keys=keys,
+            sample=sample,
+            workers=workers or (),
+            schema=schema,
+            call_timeout=bound,
+        )
 
 
 __all__ = ["check", "install", "run_once"]

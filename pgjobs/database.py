@@ -28,9 +28,10 @@ session from one transaction to the next:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -153,6 +154,21 @@ def resolve_engine(
     return engine, True
 
 
+@contextlib.contextmanager
+def engine_for(
+    database: str | Engine | None, *, call_timeout: float = DEFAULT_CALL_TIMEOUT
+) -> Iterator[Engine]:
+    """:func:`resolve_engine` for the length of a block: an engine pgjobs
+    made from a URL is disposed of after it (what a CLI command or a
+    one-off call uses)."""
+    engine, owned = resolve_engine(database, call_timeout=call_timeout)
+    try:
+        yield engine
+    finally:
+        if owned:
+            engine.dispose()
+
+
 def _local_commit(dbapi_conn: Any, record: Any) -> None:
     """The session's commits wait for this server's disk, never for a
     synchronous standby: also the one a backend makes as it exits, dropping
@@ -172,6 +188,7 @@ __all__ = [
     "CONNECT_DEFAULTS",
     "ENV_TRANSACTION_POOLING",
     "ENV_URL",
+    "engine_for",
     "normalize_url",
     "resolve_engine",
     "transaction_pooling",

@@ -32,8 +32,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from ._pg import execute, send, set_local
 from .config import Config
-from .database import resolve_engine
-from .deadline import DEFAULT_CALL_TIMEOUT, bound_of
+from .database import engine_for
+from .deadline import bound_of
 from .durations import format_duration
 from .errors import ConfigError
 from .jobs import Job, QueueJob
@@ -41,18 +41,6 @@ from .queue import channel, enqueue, key_json
 from .registry import Registry
 from .results import RunResult
 from .store import Store
-
-
-@contextlib.contextmanager
-def engine_for(url: str | None, *, call_timeout: float = DEFAULT_CALL_TIMEOUT) -> Iterator[Engine]:
-    """An engine for ``url`` (``None``: ``$PGJOBS_DATABASE_URL``), each round
-    trip bounded by ``call_timeout`` seconds, disposed after."""
-    engine, owned = resolve_engine(url, call_timeout=call_timeout)
-    try:
-        yield engine
-    finally:
-        if owned:
-            engine.dispose()
 
 
 @contextlib.contextmanager
@@ -435,7 +423,6 @@ __all__ = [
     "Pause",
     "Revived",
     "check_line",
-    "engine_for",
     "enqueue_keys",
     "last_check_of",
     "parse_keys",

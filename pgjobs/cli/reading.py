@@ -92,21 +92,16 @@ def _status(
     """Every job's row of ``pgjobs status``: registered jobs first, then jobs
     that are no longer registered but still have a state; and the schedulers'
     heartbeats."""
-    from ..database import resolve_engine
+    from ..database import engine_for
     from ..operate import last_check_of, paused_of
     from ..readmodel import read_status
 
     bound = config.call_timeout.total_seconds()
-    engine, owned = resolve_engine(url, call_timeout=bound)
     names = [e.job.name for e in registry.entries()]
-    try:
-        with engine.connect() as conn, conn.begin():
-            # Reading must not install pgjobs' tables: status writes nothing.
-            # Each statement stops on the server within the round trip's bound.
-            read = read_status(conn, config.schema, jobs=names, statement_timeout=bound)
-    finally:
-        if owned:
-            engine.dispose()
+    with engine_for(url, call_timeout=bound) as engine, engine.connect() as conn, conn.begin():
+        # Reading must not install pgjobs' tables: status writes nothing.
+        # Each statement stops on the server within the round trip's bound.
+        read = read_status(conn, config.schema, jobs=names, statement_timeout=bound)
     queues = {q.job: _jsonable(q) for q in read.queues} if read.installed else None
     names += sorted(set(read.states) - set(names))  # no longer registered, still with state
     rows = []

@@ -59,7 +59,7 @@ def migrate(
     for psql -v ON_ERROR_STOP=1 --single-transaction or a migration tool;
     the schema it installs is recognised as current. docs/upgrades.md.
     """
-    from ..database import resolve_engine
+    from ..database import engine_for
     from ..migrations import MigrateSettings, command
 
     if check and as_sql:
@@ -67,15 +67,10 @@ def migrate(
     with _errors(), _logging(verbose, logging.INFO):
         config = load_config(_given("config_path", config_path))
         settings = MigrateSettings(lock_timeout=lock_timeout, retry_for=retry_for)
-        engine, owned = resolve_engine(config.database_url(_given("database", database)))
-        try:
-            with engine.connect() as conn:
-                code, text = command(
-                    conn, config.schema, check=check, as_sql=as_sql, settings=settings
-                )
-        finally:
-            if owned:
-                engine.dispose()
+        url = config.database_url(_given("database", database))
+        bound = config.call_timeout.total_seconds()
+        with engine_for(url, call_timeout=bound) as engine, engine.connect() as conn:
+            code, text = command(conn, config.schema, check=check, as_sql=as_sql, settings=settings)
         click.echo(text, nl=not text.endswith("\n"))
         sys.exit(code)
 
