@@ -45,6 +45,8 @@ class _Composed:
     columns: tuple[str, ...]
     diff: SmallDiff
     statement: sql.SQL
+    #: the most keys it reads (its LIMIT: SMALL_KEYS when it was composed)
+    most: int
 
 
 def small_enough(t: Tick, keys: int) -> bool:
@@ -74,6 +76,8 @@ def write_small(
         return None
     bound = bind(clause, params)
     composed = _composed(t, query, bound)
+    if len(params["keys"]) > composed.most:
+        return None  # (SMALL_KEYS raised since: its LIMIT would leave keys out)
     check_coverage(t.target, composed.columns, t.job.columns, "the new rows")
     started = time.perf_counter()
     try:
@@ -136,7 +140,7 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         # flow: the marks, in the same statement (docs/DESIGN.md, "Flow")
         extra=t.statements.mark_small if t.job.flow else None,
     )
-    made = _Composed(columns, diff, frozen(diff.statement))
+    made = _Composed(columns, diff, frozen(diff.statement), SMALL_KEYS)
     if len(t.statements.small) >= 16:
         t.statements.small.clear()
     t.statements.small[query] = made
