@@ -134,7 +134,9 @@ class Body(Protocol[P]):
     def prefetch(self, conn: Connection, job: Any, ctx: RunContext) -> P:
         """Step 3: queue (:meth:`RunContext.later`) what the body will need
         first, to go out in the round trip that takes the lock; what it
-        returns (the handles) is passed to :meth:`execute`."""
+        returns (the handles) is passed to :meth:`execute`. It goes out
+        right after the savepoint :data:`RUN_SAVEPOINT` (which the body may
+        roll back to, never release)."""
 
     def execute(self, conn: Connection, job: Any, ctx: RunContext, prefetched: P) -> Execution:
         """Step 4: the job's body, inside the job transaction, lock held."""
@@ -143,6 +145,11 @@ class Body(Protocol[P]):
         """When the job is next due after a success (``scheduled``: the
         scheduler's next fire time of a cron job)."""
 
+
+#: the savepoint under which the runner runs a body (taken in the lock's
+#: round trip, just before what the body prefetches): a failing body is
+#: rolled back to it and recorded in the same transaction, its lock held
+RUN_SAVEPOINT = "pgjobs_run"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]*")
 
@@ -623,6 +630,7 @@ __all__ = [
     "MAX_CHUNK_ROWS",
     "MAX_WORKERS",
     "MAX_WORKER_ITEMS",
+    "RUN_SAVEPOINT",
     "Body",
     "Computed",
     "Job",

@@ -43,7 +43,7 @@ from ._pg import (
 from .database import ENV_TRANSACTION_POOLING, transaction_pooling
 from .deadline import cancel_statement
 from .errors import JobError
-from .jobs import Body, Job, Locks, Progress, RunContext
+from .jobs import RUN_SAVEPOINT, Body, Job, Locks, Progress, RunContext
 from .locking import (
     TRY_XACT_BOTH_SQL,
     TRY_XACT_SQL,
@@ -598,11 +598,11 @@ _SESSION_CHANGED = (
 #: jobs already told that they write in one transaction (logged once per process)
 _told_unchunked: set[str] = set()
 
-_SAVEPOINT_RUN = sql.SQL("savepoint pgjobs_run")
+_SAVEPOINT_RUN = sql.SQL("savepoint {}").format(sql.Identifier(RUN_SAVEPOINT))
 #: the longest a flow worker waits for the group's write lock (a recompute's
 #: chunk, or its start snapshot); then ``busy``
 FLOW_WAIT = timedelta(seconds=2)
-_ROLLBACK_RUN = sql.SQL("rollback to savepoint pgjobs_run")
+_ROLLBACK_RUN = sql.SQL("rollback to savepoint {}").format(sql.Identifier(RUN_SAVEPOINT))
 _CONSTRAINTS_NOW = sql.SQL("set constraints all immediate")
 
 

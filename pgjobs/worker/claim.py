@@ -26,7 +26,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from .._pg import Later, driver, frozen, later, send
-from ..jobs import QueueJob, RunContext
+from ..jobs import RUN_SAVEPOINT, QueueJob, RunContext
 from ..queue import key_json
 from ..target import Target, cached_target
 from .state import (
@@ -129,16 +129,19 @@ class Ahead:
     claimed: Later
 
 
-#: the savepoints a claim sent ahead takes: before it (to undo it) and after it
-_AHEAD = (sql.Identifier("pgjobs_q1"), sql.Identifier("pgjobs_q2"))
-#: their statements, composed once
-_AHEAD_SAVEPOINTS = tuple(frozen(sql.SQL("savepoint {}").format(n)) for n in _AHEAD)
+#: The claim sent ahead is undone by a rollback to the run's savepoint,
+#: taken just before it in the lock's round trip (between the two only
+#: read-only statements, which give back the settings they change
+#: themselves), and its items are processed under a savepoint of their own.
+_AHEAD_UNDO = frozen(sql.SQL("rollback to savepoint {}").format(sql.Identifier(RUN_SAVEPOINT)))
+_AHEAD_AFTER = sql.Identifier("pgjobs_q1")
+_AHEAD_SAVEPOINT = frozen(sql.SQL("savepoint {}").format(_AHEAD_AFTER))
 
 
 def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | None:
-    """Queue :func:`claim_known`'s three statements for the runner's lock
-    round trip, on speculation: a claim in the lock's round trip, not one
-    of its own. Only where :func:`claim_known` would run (the session's
+    """Queue :func:`claim_known`'s claim and the savepoint after it for the
+    runner's lock round trip, on speculation: a claim in the lock's round
+    trip, not one of its own. Only where :func:`claim_known` would run (the session's
     keys table known to fit), composed from the target as last reflected.
 
     Guarded (:func:`pgjobs._pg.later`): when it fails, nothing else does.
@@ -146,8 +149,8 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     the tick does not go on (the job paused or backing off) the
     transaction's rollback undoes it, when the
     verified reflection is another (the target changed) or it failed,
-    :func:`claim_adopted` rolls back to its savepoint and the tick claims
-    as usual. Its locks never wait (SKIP LOCKED, item locks tried).
+    :func:`claim_adopted` (or :func:`ahead_undone`) rolls back to the
+    run's savepoint and the tick claims as usual. Its locks never wait (SKIP LOCKED, item locks tried).
 
     Only for a job with flow, whose group lock is waited for (briefly):
     when it is not granted the lock statement fails, and the pipeline
@@ -163,12 +166,10 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     statements = statements_for(job, ctx.schema, target)
     if not statements.item_parents:
         return None
-    before, after = _AHEAD_SAVEPOINTS
-    later(conn, before, guarded=True)
     claimed = later(
         conn, statements.claim_keyed, {"job": job.name, "n": job.batch_size}, guarded=True
     )
-    later(conn, after, guarded=True)
+    later(conn, _AHEAD_SAVEPOINT, guarded=True)
     return Ahead(target, claimed)
 
 
@@ -180,7 +181,7 @@ def ahead_undone(conn: Connection, job: QueueJob, ahead: Ahead | None) -> Ahead 
     if ahead is None or ahead.claimed.error is None:
         return ahead
     raw = driver(conn)
-    raw.execute(sql.SQL("rollback to savepoint {n}; release savepoint {n}").format(n=_AHEAD[0]))
+    raw.execute(_AHEAD_UNDO)
     forget_keys_table_of(raw)
     error = ahead.claimed.error
     if is_run_level(error):
@@ -196,12 +197,12 @@ def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
     as usual)."""
     if ahead is None:
         return None
-    t.savepoints = len(_AHEAD)
+    t.savepoints = 1  # (_AHEAD_AFTER)
     result = ahead.claimed.result
     if result is None or t.target is not ahead.target:
-        rollback_to(t, _AHEAD[0])
+        t.raw.execute(_AHEAD_UNDO)
         return None
-    return keyed(t, result.all(), _AHEAD[1])
+    return keyed(t, result.all(), _AHEAD_AFTER)
 
 
 def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed | None:
