@@ -12,6 +12,7 @@ waits that a deadline itself must end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -69,13 +70,23 @@ class Proxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            if isinstance(self.target, tuple):
-                upstream = socket.create_connection(self.target)
-            else:
-                upstream = socket.socket(socket.AF_UNIX)
-                upstream.connect(self.target)
+            try:
+                if isinstance(self.target, tuple):
+                    upstream = socket.create_connection(self.target)
+                else:
+                    upstream = socket.socket(socket.AF_UNIX)
+                    upstream.connect(self.target)
+            except OSError:
+                client.close()
+                continue
             frozen = threading.Event()
             with self.lock:
+                if self.closed.is_set():
+                    # accepted while close() ran (a blocked accept() outlives
+                    # the socket's close): close() has gone past the pairs
+                    client.close()
+                    upstream.close()
+                    return
                 if self.freezing:
                     frozen.set()
                 self.pairs.append((client, upstream, frozen))
@@ -113,7 +124,10 @@ class Proxy:
             return len(self.pairs)
 
     def close(self) -> None:
-        self.closed.set()
+        with self.lock:
+            self.closed.set()
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept()
         self.server.close()
         with self.lock:
             for a, b, _ in self.pairs:
