@@ -107,6 +107,12 @@ def format_duration(value: timedelta) -> str:
     return "".join(parts) or "0s"
 
 
+def setting_ms(seconds: float) -> str:
+    """A positive timeout as a PostgreSQL setting's value: whole
+    milliseconds, at least 1 (``"0ms"`` would turn the timeout off)."""
+    return f"{max(1, int(seconds * 1000))}ms"
+
+
 __all__ = [
     "MAX_DURATION",
     "MAX_TIMEOUT",
@@ -114,4 +120,5 @@ __all__ = [
     "format_duration",
     "parse_duration",
     "parse_timeout",
+    "setting_ms",
 ]

@@ -53,7 +53,7 @@ from sqlalchemy.engine import Connection
 
 from ._pg import driver, execute
 from .deadline import DEFAULT_CALL_TIMEOUT, INSTALL_TIMEOUT, bound_of, bounded
-from .durations import Duration, format_duration, parse_duration
+from .durations import Duration, format_duration, parse_duration, setting_ms
 from .errors import ConfigError, MigrationError, SchemaError
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class MigrateSettings:
     def millis(self, name: str) -> str:
         value = getattr(self, name)
         assert isinstance(value, timedelta)
-        return f"{max(1, int(value.total_seconds() * 1000))}ms"
+        return setting_ms(value.total_seconds())
 
 
 DEFAULT_SETTINGS = MigrateSettings()

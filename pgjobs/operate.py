@@ -34,7 +34,7 @@ from ._pg import execute, send, set_local
 from .config import Config
 from .database import engine_for
 from .deadline import bound_of
-from .durations import format_duration
+from .durations import format_duration, setting_ms
 from .errors import ConfigError
 from .jobs import Job, QueueJob
 from .queue import channel, enqueue, key_json
@@ -54,7 +54,7 @@ def _transaction(engine: Engine, store: Store) -> Iterator[Connection]:
         with conn.begin():
             seconds = bound_of(conn)
             if seconds:
-                send(conn, set_local({"statement_timeout": f"{max(1, int(seconds * 1000))}ms"}))
+                send(conn, set_local({"statement_timeout": setting_ms(seconds)}))
             yield conn
 
 

@@ -35,6 +35,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection
 
 from ._pg import Result, driver, send, set_local
+from .durations import setting_ms
 from .heartbeat import schedulers_query
 
 
@@ -225,7 +226,7 @@ def read_status(
     """
     settings = {"transaction_read_only": "on"}
     if statement_timeout is not None:
-        settings["statement_timeout"] = f"{max(1, int(statement_timeout * 1000))}ms"
+        settings["statement_timeout"] = setting_ms(statement_timeout)
     tables = [sql.Identifier(schema, t).as_string(driver(conn)) for t in ("job_state", "scheduler")]
     # round trip 1: the settings, the clock, and what is installed
     _, clock = send(

@@ -171,8 +171,13 @@ class Tick:
         deadline); the tick then rolls back and ends ``cancelled``. The lock
         keeps the tick from its rollback while the request is on its way (at
         most ``timeout`` seconds), so that the request cannot cancel the
-        rollback or the record instead."""
-        with self._cancel_lock:
+        rollback or the record instead. A request still on its way (the
+        lock held) is not sent again: the shutdown asks every 100 ms, and
+        requests to a server that cannot be reached would queue up behind
+        it, holding the tick's rollback back."""
+        if not self._cancel_lock.acquire(blocking=False):
+            return
+        try:
             if self.ending:
                 return
             self.cancelled = True
@@ -180,6 +185,8 @@ class Tick:
             raw = None if conn.invalidated or conn.closed else conn.connection.driver_connection
             if isinstance(raw, psycopg.Connection):
                 cancel_statement(raw, timeout=timeout)
+        finally:
+            self._cancel_lock.release()
 
     def _end(self) -> bool:
         """From here on the tick's statements are its rollback and its record

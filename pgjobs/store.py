@@ -88,9 +88,12 @@ class Store:
     ) -> tuple[sql.SQL, list[Any]]:
         """:meth:`read_state`'s statement and parameters, to send with others
         (composed once per number of settings)."""
-        cfg, params = set_local(settings or {})
+        given = settings or {}
+        # set_local's parameters, without composing its statement again
+        params = [part for item in given.items() for part in item]
         query = self._composed.get(("state", len(params)))
         if query is None:
+            cfg, _ = set_local(given)
             query = self._composed[("state", len(params))] = frozen(
                 sql.SQL(
                     "select s.job, s.next_attempt_at, s.failures, s.last_success_at,"
