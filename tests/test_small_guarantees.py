@@ -384,3 +384,45 @@ def test_a_partitioned_target_keeps_the_rows_of_other_items(
         assert [tuple(r) for r in rows] == [(101, 1, 1)]
     finally:
         engine.dispose()
+
+
+def test_each_scope_columns_keys_and_a_percent_sign_on_the_small_path(
+    db_url: str, small_writes: list[bool]
+) -> None:
+    """The small path reads ``:keys_<column>`` from the keys table inside
+    its statement (no parameter): each column's own values, and the
+    compute's ``%`` operator left as it is."""
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "create table src (a int, b text, v int);"
+                " insert into src select a, b, v from generate_series(1, 3) a,"
+                " unnest(array['x', 'y']) b, generate_series(1, 7) v;"
+                " create table out2 (a int, b text, r int, n int, primary key (a, b, r))"
+            )
+        pgjobs.Runner(engine).install()
+        worker = pgjobs.QueueJob(
+            name="two",
+            target="out2",
+            scope=["a", "b"],
+            compute=(
+                "select a, b, v % 3 as r, count(*)::int as n from src"
+                " where (a, b) in (select * from unnest(cast(:keys_a as int[]), cast(:keys_b as text[]))) and a = any(:keys)"
+                " group by a, b, v % 3"
+            ),
+            batch_size=10,
+        )
+        with engine.begin() as conn:
+            pgjobs.enqueue(conn, worker, [(1, "x"), (3, "y")])
+        with pgjobs.Runner(engine) as runner:
+            result = runner.tick(worker, force=True)
+        assert small_writes == [True]
+        assert result.items == 2 and result.stats.inserted == 6, result
+        got = rows(engine, "select a, b, r, n from out2 order by 1, 2, 3")
+        # v % 3 over v = 1..7: residue 0 twice (3, 6), 1 three times, 2 twice
+        assert got == [
+            (a, b, r, n) for a, b in ((1, "x"), (3, "y")) for r, n in enumerate((2, 3, 2))
+        ]
+    finally:
+        engine.dispose()
