@@ -264,7 +264,9 @@ def bench(server: str, batch: int, items: int, repeat: int) -> list[dict]:
     return out
 
 
-def trickle(server: str, seconds: float, rates: list[float], repeat: int) -> list[dict]:
+def trickle(
+    server: str, seconds: float, rates: list[float], repeat: int, parents: int | None = None
+) -> list[dict]:
     """Enqueues at each rate into a running Scheduler (listening, ``every =
     "30s"``) and into the floor (``_floor.py``), interleaved round by round;
     the enqueuing application uses a plain psycopg connection for both.
@@ -277,7 +279,8 @@ def trickle(server: str, seconds: float, rates: list[float], repeat: int) -> lis
         engine = create_engine(url)
         dsn = url.replace("postgresql+psycopg://", "postgresql://")
         try:
-            setup(engine, sum(int(seconds * rate) for rate in rates) * 2 * repeat)
+            needed = sum(int(seconds * rate) for rate in rates) * 2 * repeat
+            setup(engine, max(needed, parents or 0))
             _floor.install(dsn)
             key = 0
             for r in range(repeat):
@@ -483,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         "--trickle-rates", type=float, nargs="*", default=[10.0, 100.0], help="enqueues a second"
     )
     parser.add_argument(
+        "--trickle-parents",
+        type=int,
+        default=None,
+        help="parent rows of the trickle's tables, at least (default: the items it enqueues;"
+        " 19,800 with the defaults): the planner's choices depend on it",
+    )
+    parser.add_argument(
         "--drain-only",
         action="store_true",
         help="only the drain passes, printed as JSON (what --ab runs on each side)",
@@ -520,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
             n = args.items_batch1 if batch == 1 else max(args.items, batch)
             rows.extend(bench(server, batch, n, args.repeat))
         lat = (
-            trickle(server, args.trickle_seconds, args.trickle_rates, args.repeat)
+            trickle(
+                server, args.trickle_seconds, args.trickle_rates, args.repeat, args.trickle_parents
+            )
             if args.trickle_seconds
             else []
         )
