@@ -426,3 +426,39 @@ def test_each_scope_columns_keys_and_a_percent_sign_on_the_small_path(
         ]
     finally:
         engine.dispose()
+
+
+def test_a_compute_that_wants_its_keys_as_psycopg_types_them_takes_them_as_parameters(
+    db_url: str, small_writes: list[bool]
+) -> None:
+    """Keys read from the keys table inside the statement are typed as the
+    scope's columns (``int[]`` here); as parameters, psycopg types small
+    integers ``int2[]``. This compute calls a function of ``int2[]`` only,
+    so the statement fails (42883, "function ... does not exist"): the first
+    batch is written by the general writer, and the small path takes the
+    keys as parameters from then on."""
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "create function only_int2(k int2[]) returns int2[] language sql as 'select k';"
+                " create table counted (id int primary key, n int not null)"
+            )
+        pgjobs.Runner(engine).install()
+        worker = pgjobs.QueueJob(
+            name="int2",
+            target="counted",
+            scope="id",
+            compute="select k as id, 1 as n from unnest(only_int2(:keys)) as k",
+            batch_size=10,
+        )
+        with pgjobs.Runner(engine) as runner:
+            for key in (1, 2, 3):
+                with engine.begin() as conn:
+                    pgjobs.enqueue(conn, worker, [key])
+                result = runner.tick(worker, force=True)
+                assert result.outcome == "ran" and result.items == 1, result
+        assert small_writes == [False, True, True]
+        assert rows(engine, "select id, n from counted order by 1") == [(1, 1), (2, 1), (3, 1)]
+    finally:
+        engine.dispose()

@@ -93,6 +93,11 @@ def write_small(
         # statement is composed again next time (the query's columns may
         # have changed under a "*")
         t.statements.small.pop(query, None)
+        if composed.inlined and (exc.sqlstate or "").startswith("42"):
+            # an error of the statement's text (class 42: "operator does not
+            # exist", say), not of an item's data: the keys typed as the scope's
+            # columns do not suit this compute; as parameters from now on
+            t.statements.small[(_AS_PARAMETERS, query)] = True
         _back(t, items, savepoint, reload)
         return None
     values = row.one()
@@ -128,7 +133,7 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         return cached
     (probed,) = send(t.conn, (probe_sql(query), params))
     columns = check_columns(t.target, probed.columns or (), "the new rows' SQL")
-    inlined = _keys_inlined(query, t)
+    inlined = None if (_AS_PARAMETERS, query) in t.statements.small else _keys_inlined(query, t)
     diff = SmallDiff(
         t.target,
         columns,
@@ -151,6 +156,9 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
     t.statements.small[query] = made
     return made
 
+
+#: marks a compute text whose keys go as parameters (see :func:`write_small`)
+_AS_PARAMETERS = "parameters"
 
 #: a psycopg placeholder of a compiled compute text, or a percent sign doubled
 _PLACEHOLDER = re.compile(r"%%|%\((\w+)\)s")

@@ -75,7 +75,7 @@ class Statements:
         self._compose_claims()
         self._compose_writes(schema)
         #: the small path's statement per compute text (see :mod:`.small`)
-        self.small: dict[str, Any] = {}
+        self.small: dict[Any, Any] = {}
 
     def _compose_claims(self) -> None:
         """The claim's statements (:mod:`.claim`)."""
