@@ -97,7 +97,7 @@ def write_small(
             # an error of the statement's text (class 42: "operator does not
             # exist", say), not of an item's data: the keys typed as the scope's
             # columns do not suit this compute; as parameters from now on
-            t.statements.small[(_AS_PARAMETERS, query)] = True
+            t.statements.small_as_parameters.add(query)
         _back(t, items, savepoint, reload)
         return None
     values = row.one()
@@ -133,7 +133,7 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         return cached
     (probed,) = send(t.conn, (probe_sql(query), params))
     columns = check_columns(t.target, probed.columns or (), "the new rows' SQL")
-    inlined = None if (_AS_PARAMETERS, query) in t.statements.small else _keys_inlined(query, t)
+    inlined = None if query in t.statements.small_as_parameters else _keys_inlined(query, t)
     diff = SmallDiff(
         t.target,
         columns,
@@ -156,9 +156,6 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
     t.statements.small[query] = made
     return made
 
-
-#: marks a compute text whose keys go as parameters (see :func:`write_small`)
-_AS_PARAMETERS = "parameters"
 
 #: a psycopg placeholder of a compiled compute text, or a percent sign doubled
 _PLACEHOLDER = re.compile(r"%%|%\((\w+)\)s")

@@ -75,7 +75,9 @@ class Statements:
         self._compose_claims()
         self._compose_writes(schema)
         #: the small path's statement per compute text (see :mod:`.small`)
-        self.small: dict[Any, Any] = {}
+        self.small: dict[str, Any] = {}
+        #: compute texts whose small-path keys go as parameters (see :mod:`.small`)
+        self.small_as_parameters: set[str] = set()
 
     def _compose_claims(self) -> None:
         """The claim's statements (:mod:`.claim`)."""
