@@ -26,6 +26,8 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection, RootTransaction
 
+from . import _wire
+
 Params = Sequence[Any] | Mapping[str, Any] | None
 
 log = logging.getLogger(__name__)
@@ -203,7 +205,9 @@ def send(
     raw = driver(conn)
     todo = [*_queued.pop(raw, ()), *(Later(s, p) for s, p in statements)]
     begun = raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-    if any(item.guarded for item in todo):
+    if todo and _wire.usable(raw):
+        _pipeline(raw, todo, commit)
+    elif any(item.guarded for item in todo):
         _pipeline(raw, todo, commit)  # (where a failure can be kept on its handles)
     elif begun and commit is None and len(todo) == 1:
         item = todo[0]
@@ -220,6 +224,32 @@ def send(
 
 
 def _pipeline(
+    raw: psycopg.Connection[Any], todo: list[Later], commit: RootTransaction | None
+) -> None:
+    """``todo`` (and COMMIT) in one pipeline, straight through libpq
+    (:mod:`pgjobs._wire`), or psycopg's where that cannot run. The COMMIT
+    goes as a statement, and SQLAlchemy is told afterwards (psycopg then
+    has nothing left to do): should a statement before it fail, the server
+    skips the COMMIT and keeps the transaction open, aborted, with its
+    locks, which the caller may roll back to a savepoint and go on in."""
+    if not _wire.usable(raw):
+        _psycopg_pipeline(raw, todo, commit)
+        return
+    outcomes, first = _wire.round_trip(
+        raw, [(item.statement, item.params) for item in todo], commit=commit is not None
+    )
+    for item, outcome in zip(todo, outcomes, strict=True):
+        if outcome is not None:
+            item.result = Result(outcome.rowcount, outcome.rows, outcome.columns)
+    if first is not None:
+        if _guarded_failed(raw, todo, first, commit):
+            return
+        raise first
+    if commit is not None:
+        commit.commit()
+
+
+def _psycopg_pipeline(
     raw: psycopg.Connection[Any], todo: list[Later], commit: RootTransaction | None
 ) -> None:
     """``todo`` (and COMMIT) in one psycopg pipeline. The COMMIT goes as a

@@ -111,6 +111,16 @@ class BoundedConnection(psycopg.Connection[Any]):
                 " the connection was abandoned"
             ) from None
 
+    #: how many times psycopg sent DEALLOCATE ALL on this connection (after
+    #: a ROLLBACK, DROP or ALTER it saw while it had statements prepared):
+    #: pgjobs' own prepared statements went with its (:mod:`pgjobs._wire`)
+    pgjobs_deallocations: int = 0
+
+    def _deallocate(self, name: bytes | None) -> Any:
+        if name is None:
+            self.pgjobs_deallocations += 1
+        return super()._deallocate(name)
+
 
 def bound(raw: psycopg.Connection[Any], seconds: float) -> float:
     """Set the deadline of each of ``raw``'s round trips to ``seconds`` (0:

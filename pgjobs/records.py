@@ -118,7 +118,8 @@ def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None
     """(SQLSTATE, one line) when ``exc`` cut a run off without being the
     job's fault: the connection is gone (class 08, 57P01-57P05, closed
     under it), a deadline passed, or the server is a standby (a read-only
-    server, 25006: the URL reached a demoted primary or only a standby).
+    server, 25006: the URL reached a demoted primary or only a standby),
+    or a statement pgjobs prepared is gone (26000, see :mod:`pgjobs._wire`).
     ``None``: the job's own failure."""
     if exceeded(exc):
         return "08006", f"no answer within the deadline: {first_line(exc)}"
@@ -127,6 +128,10 @@ def interruption(exc: BaseException, conn: Connection) -> tuple[str, str] | None
     if connection_lost(exc):
         state = sqlstate_of(exc) or "08006"
         return state, f"{first_line(exc)} (SQLSTATE {state})"
+    if sqlstate_of(exc) == "26000":
+        # a statement pgjobs prepared is gone from the session (DISCARD ALL
+        # or DEALLOCATE ALL by someone else): prepared again next time
+        return "26000", f"{first_line(exc)} (SQLSTATE 26000)"
     return None
 
 

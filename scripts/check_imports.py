@@ -70,7 +70,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
-    ("base", {"_pg", "deadline", "errors", "database"}),
+    ("base", {"_pg", "_wire", "deadline", "errors", "database"}),
 ]
 
 

@@ -2,8 +2,9 @@
 1 M entries and a ``job_state`` of 10k jobs, the statements that a real
 queue tick and the status read send use the indexes they were built for.
 
-The statements are the real ones: a cursor class records every statement
-(and its parameters) that pgjobs sends on the connection, and each one that
+The statements are the real ones: a cursor class and a spy on the round
+trips (tests/statements.py) record every statement (and its parameters)
+that pgjobs sends on the connection, and each one that
 reads ``queue``, ``run`` or ``job_state`` is explained afterwards on the same
 session (its session tables still there), with the same parameters.
 
@@ -32,6 +33,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import statements
 from psycopg import sql
 from schema_tools import libpq
 from sqlalchemy import create_engine
@@ -73,6 +75,16 @@ INDEXES = (
     "select indexname, indexdef from pg_indexes where schemaname = 'pgjobs'"
     " and tablename = 'queue' order by 1"
 )
+
+
+@pytest.fixture(autouse=True)
+def _recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the round trips pgjobs sends straight through libpq, on engines of Recording
+    def seen(raw: psycopg.Connection[Any], text: str, params: Any) -> None:
+        if raw.cursor_factory is Recording:
+            Recording.seen.append((text, params))
+
+    statements.spy(monkeypatch, seen, execute=False)
 
 
 class Recording(psycopg.Cursor[Any]):

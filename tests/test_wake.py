@@ -12,6 +12,7 @@ from collections import Counter
 
 import psycopg
 import pytest
+import statements
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from test_queue import COMPUTE as COMPUTE_SQL
@@ -460,14 +461,7 @@ def test_a_woken_tick_leaves_out_the_work_check_and_its_state_read_under_the_loc
     notification, or after a tick that took items) sends no work check
     before the lock; a woken tick with nothing to claim ends ``idle``, and
     one of a paused job ``paused``, by the state it reads under the lock."""
-    sent: list[str] = []
-    execute = psycopg.Connection.execute
-
-    def spy(self: psycopg.Connection, query: object, *args: object, **kwargs: object) -> object:
-        sent.append(query.as_string(self) if hasattr(query, "as_string") else str(query))
-        return execute(self, query, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(psycopg.Connection, "execute", spy)
+    sent = statements.texts(monkeypatch)
     job = make_job(every="1h")
     runner = pgjobs.Runner(db)
     pending = "and not_before <= now() order by not_before limit 1) is not null"

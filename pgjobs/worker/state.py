@@ -37,7 +37,8 @@ ANALYZE_KEYS = 1000
 
 # SQLSTATEs that say nothing about an item: the run fails and is retried as a whole.
 _RUN_LEVEL_CLASSES = ("08", "40", "53", "57", "58", "XX")
-_RUN_LEVEL_STATES = ("55P03",)
+#: (26000: a prepared statement of pgjobs' is gone from the session, see pgjobs._wire)
+_RUN_LEVEL_STATES = ("55P03", "26000")
 
 
 @dataclass(kw_only=True)
