@@ -5,9 +5,10 @@ workload as ``queue_bench.py`` (5 derived rows and a status row an item)::
     PGJOBS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test \\
         .venv/bin/python benchmarks/tick_profile.py [--ticks 300] [--profile]
 
-Statements and round trips are counted by wrapping the driver: each
-``execute`` outside a pipeline is one round trip, each pipeline one (its
-statements counted one by one).
+Statements and round trips are counted by wrapping pgjobs' round trips
+(``pgjobs._wire.round_trip``: one, its statements counted one by one) and
+the driver (each ``execute`` outside a pipeline is one round trip, each
+psycopg pipeline one).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import queue_bench
 
 import pgjobs
+from pgjobs import _wire
 from pgjobs.queue import enqueue
 from pgjobs.testing import find_server_url, fresh_database
 
@@ -70,6 +72,24 @@ def _wrap() -> None:
 
     psycopg.Connection.execute = counted_execute  # type: ignore[method-assign]
     psycopg.Connection.pipeline = lambda self: _Pipe(self)  # type: ignore[method-assign,assignment,return-value]
+
+    # pgjobs' own round trips (pgjobs._wire): one round trip, its statements
+    round_trip = _wire.round_trip
+
+    def counted_round_trip(raw, statements, **kwargs):  # type: ignore[no-untyped-def]
+        Count.round_trips += 1
+        for n, (query, _) in enumerate(statements):
+            Count.statements += 1
+            if Count.shown is not None:
+                text = query.as_string(None) if hasattr(query, "as_string") else str(query)
+                Count.shown.append(("* " if n == 0 else "  ") + " ".join(text.split())[:150])
+        if kwargs.get("commit"):
+            Count.statements += 1
+            if Count.shown is not None:
+                Count.shown.append("  commit")
+        return round_trip(raw, statements, **kwargs)
+
+    _wire.round_trip = counted_round_trip  # type: ignore[assignment]
 
 
 #: where a function's own CPU time is counted, by the file it is in

@@ -6,6 +6,11 @@ failed (its keys table gone) and done the usual way; never run when the
 lock is busy (only workers with flow send it, whose lock stops the round
 trip); rolled back with the transaction when the job is paused. In each,
 every item is processed once and the queue says so.
+
+The small write sent after it (``claim._write_ahead``), for the keys the
+claim loads: taken as the batch's write (a one-item tick in two round
+trips); undone when the claim took more keys than it reads; failed with
+a failing item, which is then isolated as usual.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from sqlalchemy.engine import Engine
 import pgjobs
 import pgjobs.worker.claim
 import pgjobs.worker.tick
+from pgjobs import _wire
 from pgjobs.locking import lock_name
 from pgjobs.results import Outcome
 
@@ -228,3 +234,119 @@ def test_a_change_that_fails_the_claim_sent_ahead_and_changes_the_target_is_refl
         ran_one(engine, runner, w, 3)
     assert adopted == [False, True]  # failed and undone; then one composed anew, adopted
     assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
+
+
+# -- the small write sent with the claim ---------------------------------------------------
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """For each tick whose claim had the small write sent with it: "taken"
+    (the batch's write), "undone" (rolled back to the claim's savepoint),
+    or "empty" (nothing claimed: it wrote nothing)."""
+    seen: list[str] = []
+    real = pgjobs.worker.claim.adopt_write
+
+    def spy(t: Any, composed: Any, write: Any) -> None:
+        real(t, composed, write)
+        if not t.preloaded[1]:
+            seen.append("empty")
+        else:
+            seen.append("taken" if t.ahead_write is not None else "undone")
+
+    monkeypatch.setattr(pgjobs.worker.claim, "adopt_write", spy)
+    return seen
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that counts the round trips pgjobs sends (append a 0 to start
+    a new count)."""
+    counts = [0]
+    real = _wire.round_trip
+
+    def counted(raw: Any, statements: Any, **kwargs: Any) -> Any:
+        counts[-1] += 1
+        return real(raw, statements, **kwargs)
+
+    monkeypatch.setattr(_wire, "round_trip", counted)
+    return counts
+
+
+def test_the_small_write_goes_with_the_claim_a_tick_in_two_round_trips(
+    engine: Engine, writes: list[str], round_trips: list[int]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        ran_one(engine, runner, w, 1)  # reflects, makes the keys table, composes the write
+        ran_one(engine, runner, w, 2)  # the claim goes ahead, the write with it
+        enqueue(engine, [3])
+        round_trips.append(0)
+        result = runner.tick(w, woken=True)
+        assert round_trips[-1] == 2  # the lock, state, claim and write; the commit
+        assert result.outcome is Outcome.RAN and result.items == 1
+        assert result.stats.inserted == 2 and result.stats.changed == 2, result.stats
+    assert writes == ["taken", "taken"]
+    assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
+
+
+def test_a_claim_of_more_keys_than_the_write_sent_ahead_reads_undoes_it(
+    engine: Engine, writes: list[str]
+) -> None:
+    """The write reads at most SMALL_KEYS keys (its LIMIT): after a trickle's
+    one-item claims, a burst of fifteen is claimed with it, and it is rolled
+    back to the claim's savepoint; the general writer writes all fifteen,
+    each row once (its stats count them once)."""
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        for key in (1, 2, 3):
+            ran_one(engine, runner, w, key)
+        burst = list(range(4, 19))
+        enqueue(engine, burst)
+        result = runner.tick(w, woken=True)
+        assert result.outcome is Outcome.RAN and result.items == 15, result
+        assert result.stats.inserted == 30 and result.stats.unchanged == 0, result.stats
+        # the next claim follows a claim of fifteen: no write goes ahead of it
+        ran_one(engine, runner, w, 19)
+        ran_one(engine, runner, w, 20)
+    # ticks 2 and 3 took theirs; the burst's undone; 19 after the burst sent
+    # none; 20 took it again
+    assert writes == ["taken", "taken", "undone", "taken"]
+    assert derived(engine) == expected(list(range(1, 21))) and queued(engine) == []
+
+
+def test_an_empty_claim_leaves_the_write_sent_ahead_as_it_is(
+    engine: Engine, writes: list[str]
+) -> None:
+    w = job()
+    with pgjobs.Runner(engine) as runner:
+        for key in (1, 2):
+            ran_one(engine, runner, w, key)
+        assert runner.tick(w, woken=True).outcome is Outcome.IDLE
+        ran_one(engine, runner, w, 3)
+    assert writes == ["taken", "empty", "taken"]
+    assert derived(engine) == expected([1, 2, 3]) and queued(engine) == []
+
+
+def test_a_failing_item_fails_the_write_sent_ahead_and_is_isolated_as_usual(
+    engine: Engine, writes: list[str], adopted: list[bool]
+) -> None:
+    w = job()
+    with engine.begin() as conn:  # parent 5's totals break it
+        conn.execute(text("alter table derived add constraint small check (total < 100)"))
+    with pgjobs.Runner(engine) as runner:
+        for key in (1, 2):
+            ran_one(engine, runner, w, key)
+        with engine.begin() as conn:
+            conn.execute(text("update source set val = 1000 where parent_id = 5"))
+        enqueue(engine, [5])
+        result = runner.tick(w, woken=True)
+        # the claim and its write undone together; claimed again, the item
+        # fails alone and is backed off
+        assert result.outcome is Outcome.RAN and result.items == 0, result
+        assert result.failed_items == 1
+        assert queued(engine) == [("[5]", 1)]
+        ran_one(engine, runner, w, 3)
+    assert adopted == [True, False, True]
+    # tick 2's; the failed one never got there, and 3's went without one: a
+    # small write that failed is composed anew at the next tick
+    assert writes == ["taken"]
+    assert derived(engine) == expected([1, 2, 3])

@@ -29,6 +29,7 @@ from .._pg import Later, driver, frozen, later, send
 from ..jobs import RUN_SAVEPOINT, QueueJob, RunContext
 from ..queue import key_json
 from ..target import Target, cached_target
+from .small import Composed, small_enough
 from .state import (
     KEYS_SHAPE,
     Tick,
@@ -46,7 +47,7 @@ from .state import (
     rollback_to,
     savepoint,
 )
-from .statements import statements_for
+from .statements import Statements, statements_for
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,9 @@ class Ahead:
     #: the reflection it was composed from (the cached one, unverified then)
     target: Target
     claimed: Later
+    #: the small write sent after it, for the keys it loaded: (its composed
+    #: statement, its handle), or ``None``
+    write: tuple[Composed, Later] | None = None
 
 
 #: The claim sent ahead is undone by a rollback to the run's savepoint,
@@ -136,6 +140,7 @@ class Ahead:
 _AHEAD_UNDO = frozen(sql.SQL("rollback to savepoint {}").format(sql.Identifier(RUN_SAVEPOINT)))
 _AHEAD_AFTER = sql.Identifier("pgjobs_q1")
 _AHEAD_SAVEPOINT = frozen(sql.SQL("savepoint {}").format(_AHEAD_AFTER))
+_AHEAD_BACK = frozen(sql.SQL("rollback to savepoint {}").format(_AHEAD_AFTER))
 
 
 def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | None:
@@ -170,7 +175,23 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
         conn, statements.claim_keyed, {"job": job.name, "n": job.batch_size}, guarded=True
     )
     later(conn, _AHEAD_SAVEPOINT, guarded=True)
-    return Ahead(target, claimed)
+    return Ahead(target, claimed, _write_ahead(conn, job, statements))
+
+
+def _write_ahead(
+    conn: Connection, job: QueueJob, statements: Statements
+) -> tuple[Composed, Later] | None:
+    """The small write (:mod:`.small`) of the keys the claim loads, queued
+    after the claim's savepoint, on speculation too: when the job's compute
+    is SQL text whose statement takes no parameter (composed at an earlier
+    tick), and its last claim took no more keys than the statement reads
+    (a trickle, the tail of a drain: a worker draining full batches of a
+    hundred would throw it away at each tick). :func:`claim_adopted` takes
+    it as the batch's write, or undoes it (back to the claim's savepoint)."""
+    composed = statements.small_ready.get(job.compute) if isinstance(job.compute, str) else None
+    if composed is None or statements.last_claimed > composed.most:
+        return None
+    return composed, later(conn, composed.statement, {}, guarded=True)
 
 
 def ahead_undone(conn: Connection, job: QueueJob, ahead: Ahead | None) -> Ahead | None:
@@ -202,7 +223,26 @@ def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
     if result is None or t.target is not ahead.target:
         t.raw.execute(_AHEAD_UNDO)
         return None
-    return keyed(t, result.all(), _AHEAD_AFTER)
+    claimed = keyed(t, result.all(), _AHEAD_AFTER)
+    if ahead.write is not None:
+        adopt_write(t, *ahead.write)
+    return claimed
+
+
+def adopt_write(t: Tick, composed: Composed, write: Later) -> None:
+    """The small write sent with the claim is the batch's when the batch
+    takes the small path with that statement (the claimed keys, loaded into
+    the keys table, are all it read: at least one, at most its LIMIT);
+    otherwise it is undone, back to the savepoint after the claim, which
+    stays."""
+    assert t.preloaded is not None
+    keys = len(t.preloaded[1])
+    if keys == 0:
+        return  # it read an empty keys table: it wrote nothing, marked nothing
+    if keys <= composed.most and small_enough(t, keys) and write.result is not None:
+        t.ahead_write = (composed, write.result)
+    else:
+        t.raw.execute(_AHEAD_BACK)
 
 
 def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed | None:
@@ -237,6 +277,7 @@ def keyed(t: Tick, result: list[tuple[Any, ...]], first: sql.Identifier) -> Clai
     gone = set(claimed[1])
     keys = (tuple(r[5 : 5 + width]) for r in result if r[3] and r[0] not in gone)
     t.preloaded = (first, list(dict.fromkeys(keys)))
+    t.statements.last_claimed = len(t.preloaded[1])
     return claimed
 
 
@@ -351,6 +392,7 @@ __all__ = [
     "PRELOAD_BATCH",
     "Ahead",
     "Claimed",
+    "adopt_write",
     "ahead_undone",
     "claim",
     "claim_adopted",

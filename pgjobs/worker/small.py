@@ -40,9 +40,11 @@ SMALL_KEYS = 10
 
 
 @dataclass(frozen=True, slots=True)
-class _Composed:
+class Composed:
     """One compute text's statement, composed once (kept on the job's statements)."""
 
+    #: the compute text as compiled for psycopg
+    query: str
     columns: tuple[str, ...]
     diff: SmallDiff
     statement: sql.SQL
@@ -74,32 +76,40 @@ def write_small(
     general writer should run."""
     if not isinstance(source, str):
         return None
-    clause = text(strip(source))
-    query = plain_sql(t.conn, clause)
-    if query is None:
-        return None
-    bound = bind(clause, params)
-    composed = _composed(t, query, bound)
-    if len(params["keys"]) > composed.most:
-        return None  # (SMALL_KEYS raised since: its LIMIT would leave keys out)
-    check_coverage(t.target, composed.columns, t.job.columns, "the new rows")
     started = time.perf_counter()
-    try:
-        (row,) = send(t.conn, (composed.statement, {} if composed.inlined else bound))
-    except psycopg.DatabaseError as exc:
-        if is_run_level(exc):
-            raise
-        # the general writer runs it again and says what failed; the
-        # statement is composed again next time (the query's columns may
-        # have changed under a "*")
-        t.statements.small.pop(query, None)
-        if composed.inlined and (exc.sqlstate or "").startswith("42"):
-            # an error of the statement's text (class 42: "operator does not
-            # exist", say), not of an item's data: the keys typed as the scope's
-            # columns do not suit this compute; as parameters from now on
-            t.statements.small_as_parameters.add(query)
-        _back(t, items, savepoint, reload)
-        return None
+    ahead, t.ahead_write = t.ahead_write, None
+    if ahead is not None:  # it went with the claim, which found it fits (claim.adopt_write)
+        composed, row = ahead
+    else:
+        composed = t.statements.small_ready.get(source)
+        query, bound = None, {}
+        if composed is None:
+            clause = text(strip(source))
+            query = plain_sql(t.conn, clause)
+            if query is None:
+                return None
+            bound = bind(clause, params)
+            composed = _composed(t, query, bound, source)
+        if len(params["keys"]) > composed.most:
+            return None  # (SMALL_KEYS raised since: its LIMIT would leave keys out)
+        check_coverage(t.target, composed.columns, t.job.columns, "the new rows")
+        try:
+            (row,) = send(t.conn, (composed.statement, {} if composed.inlined else bound))
+        except psycopg.DatabaseError as exc:
+            if is_run_level(exc):
+                raise
+            # the general writer runs it again and says what failed; the
+            # statement is composed again next time (the query's columns may
+            # have changed under a "*")
+            t.statements.small.pop(composed.query, None)
+            t.statements.small_ready.pop(source, None)
+            if composed.inlined and (exc.sqlstate or "").startswith("42"):
+                # an error of the statement's text (class 42: "operator does not
+                # exist", say), not of an item's data: the keys typed as the scope's
+                # columns do not suit this compute; as parameters from now on
+                t.statements.small_as_parameters.add(composed.query)
+            _back(t, items, savepoint, reload)
+            return None
     values = row.one()
     assert values is not None
     result = composed.diff.read(values)
@@ -125,11 +135,12 @@ def _back(t: Tick, items: list[str], savepoint: sql.Identifier, reload: bool) ->
         t.raw.execute(t.statements.load_keys, (items,))
 
 
-def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
-    """The statement for ``query``: its columns probed once (planned with
-    LIMIT 0, no row computed), then composed and kept."""
+def _composed(t: Tick, query: str, params: dict[str, Any], source: str) -> Composed:
+    """The statement for ``query`` (``source`` compiled): its columns probed
+    once (planned with LIMIT 0, no row computed), then composed and kept;
+    by ``source`` too when it takes no parameter."""
     cached = t.statements.small.get(query)
-    if isinstance(cached, _Composed):
+    if isinstance(cached, Composed):
         return cached
     (probed,) = send(t.conn, (probe_sql(query), params))
     columns = check_columns(t.target, probed.columns or (), "the new rows' SQL")
@@ -150,10 +161,13 @@ def _composed(t: Tick, query: str, params: dict[str, Any]) -> _Composed:
         # flow: the marks, in the same statement (docs/DESIGN.md, "Flow")
         extra=t.statements.mark_small if t.job.flow else None,
     )
-    made = _Composed(columns, diff, frozen(diff.statement), SMALL_KEYS, inlined is not None)
+    made = Composed(query, columns, diff, frozen(diff.statement), SMALL_KEYS, inlined is not None)
     if len(t.statements.small) >= 16:
         t.statements.small.clear()
+        t.statements.small_ready.clear()
     t.statements.small[query] = made
+    if made.inlined:
+        t.statements.small_ready[source] = made
     return made
 
 
@@ -199,6 +213,7 @@ def _keys_inlined(query: str, t: Tick) -> str | None:
 
 __all__ = [
     "SMALL_KEYS",
+    "Composed",
     "small_enough",
     "write_small",
 ]

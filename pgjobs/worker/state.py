@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import driver, sqlstate_of
+from .._pg import Result, driver, sqlstate_of
 from .._pg import error_text as _error_text
 from ..database import transaction_pooling
 from ..errors import ConfigError
@@ -75,6 +75,9 @@ class Tick:
     #: the claim loaded the keys table with its items' keys, and took the
     #: savepoint of their processing: (that savepoint, the keys)
     preloaded: tuple[sql.Identifier, list[tuple[Any, ...]]] | None = None
+    #: the small write went with the claim and is taken as this batch's:
+    #: (its composed statement, its result), for :func:`.small.write_small`
+    ahead_write: tuple[Any, Result] | None = None
 
 
 def new_tick(

@@ -78,6 +78,13 @@ class Statements:
         self.small: dict[str, Any] = {}
         #: compute texts whose small-path keys go as parameters (see :mod:`.small`)
         self.small_as_parameters: set[str] = set()
+        #: the small path's statement per compute text as the job gives it,
+        #: where it takes no parameter: found without compiling the text
+        #: again, and sent ahead with the claim (see :mod:`.claim`)
+        self.small_ready: dict[str, Any] = {}
+        #: how many keys this job's last claim took (the claim sends the
+        #: small write ahead when the last one took few enough)
+        self.last_claimed = 0
 
     def _compose_claims(self) -> None:
         """The claim's statements (:mod:`.claim`)."""
