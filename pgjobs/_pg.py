@@ -19,7 +19,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -27,6 +26,7 @@ from psycopg import sql
 from sqlalchemy.engine import Connection, RootTransaction
 
 from . import _wire
+from ._wire import Result
 
 Params = Sequence[Any] | Mapping[str, Any] | None
 
@@ -116,29 +116,6 @@ def why_unavailable(exc: BaseException) -> str:
 
 
 # -- round trips ----------------------------------------------------------------------
-@dataclass(slots=True)
-class Result:
-    """What one statement of a round trip returned: its row count and, for a
-    statement that returns rows, the rows."""
-
-    rowcount: int = -1
-    rows: list[tuple[Any, ...]] | None = None
-    #: the names of the columns it returns (``None``: it returns no rows)
-    columns: tuple[str, ...] | None = None
-
-    def one(self) -> tuple[Any, ...] | None:
-        """The first row, or ``None``."""
-        return self.rows[0] if self.rows else None
-
-    def all(self) -> list[tuple[Any, ...]]:
-        return self.rows or []
-
-    def scalar(self) -> Any:
-        """The first column of the first row, or ``None``."""
-        row = self.one()
-        return row[0] if row else None
-
-
 class Later:
     """A statement queued by :func:`later`; :attr:`result` once it was sent.
     A *guarded* one (``later(..., guarded=True)``) keeps its failure in
@@ -196,27 +173,27 @@ def send(
     ``commit``, COMMIT that transaction in it too. Returns the results of
     ``statements``.
 
-    Inside a transaction already under way, without parameters anywhere,
-    the statements go as one simple query (no statement is prepared), and
-    one statement alone as itself; otherwise (parameters, a COMMIT, or a
-    transaction whose BEGIN psycopg has yet to send, which then travels
-    with them) in a psycopg pipeline. When a statement fails there, the
-    results of those before it are kept on their handles."""
+    Inside a transaction already under way, several statements without
+    parameters anywhere (DDL, the diff writer's statements on its session
+    tables) go as one simple query: none of them is prepared, their plans
+    follow those tables as they are. Otherwise (parameters, a statement
+    alone, a COMMIT, or a transaction whose BEGIN has yet to be sent, which
+    then travels with them) they go in one pipeline, straight through
+    libpq (:mod:`pgjobs._wire`; psycopg's pipeline where that cannot run).
+    When a statement fails there, the results of those before it are kept
+    on their handles."""
     raw = driver(conn)
     todo = [*_queued.pop(raw, ()), *(Later(s, p) for s, p in statements)]
     begun = raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-    if todo and _wire.usable(raw):
-        _pipeline(raw, todo, commit)
-    elif any(item.guarded for item in todo):
-        _pipeline(raw, todo, commit)  # (where a failure can be kept on its handles)
-    elif begun and commit is None and len(todo) == 1:
-        item = todo[0]
-        item.result = _result(raw.execute(item.statement, item.params))
-    elif begun and commit is None and todo and all(item.params is None for item in todo):
+    simple = begun and commit is None and not any(item.guarded for item in todo)
+    if simple and len(todo) > 1 and all(item.params is None for item in todo):
         cur = raw.execute(sql.SQL("; ").join(_composable(i.statement) for i in todo))
         for item in todo:
             item.result = _result(cur)
             cur.nextset()
+    elif simple and len(todo) == 1 and not _wire.usable(raw):
+        item = todo[0]
+        item.result = _result(raw.execute(item.statement, item.params))
     elif todo or commit is not None:
         _pipeline(raw, todo, commit)
     out = [item.result for item in todo[len(todo) - len(statements) :]]
@@ -240,7 +217,7 @@ def _pipeline(
     )
     for item, outcome in zip(todo, outcomes, strict=True):
         if outcome is not None:
-            item.result = Result(outcome.rowcount, outcome.rows, outcome.columns)
+            item.result = outcome
     if first is not None:
         if _guarded_failed(raw, todo, first, commit):
             return

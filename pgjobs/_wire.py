@@ -57,6 +57,9 @@ MAX_PREPARED = 256
 #: distinct statements counted per server session before the counts start over
 MAX_COUNTED = 4096
 
+#: libpq (as psycopg loaded it) has pipelines
+_PIPELINES = psycopg.Pipeline.is_supported()
+
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
 _ANSWERED = (_TUPLES_OK, _COMMAND_OK)
@@ -66,13 +69,49 @@ _IDLE = pq.TransactionStatus.IDLE
 _TEXT = pq.Format.TEXT
 
 
-@dataclass(slots=True)
-class Outcome:
-    """What one statement gave back: its result, or nothing (not reached)."""
+class Result:
+    """What one statement of a round trip returned: its row count and, for a
+    statement that returns rows, the rows and their columns' names (read
+    off the server's answer when asked: few callers ask)."""
 
-    rowcount: int = -1
-    rows: list[tuple[Any, ...]] | None = None
-    columns: tuple[str, ...] | None = None
+    __slots__ = ("_columns", "_source", "rowcount", "rows")
+
+    def __init__(
+        self,
+        rowcount: int = -1,
+        rows: list[tuple[Any, ...]] | None = None,
+        columns: tuple[str, ...] | None = None,
+        *,
+        source: tuple[Any, str] | None = None,
+    ) -> None:
+        self.rowcount = rowcount
+        self.rows = rows
+        self._columns = columns
+        #: (the result, the connection's encoding) the names are read from
+        self._source = source
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        """The names of the columns it returns (``None``: it returns no rows)."""
+        if self._columns is None and self._source is not None:
+            result, encoding = self._source
+            self._columns = tuple(
+                (result.fname(i) or b"").decode(encoding) for i in range(result.nfields)
+            )
+            self._source = None
+        return self._columns
+
+    def one(self) -> tuple[Any, ...] | None:
+        """The first row, or ``None``."""
+        return self.rows[0] if self.rows else None
+
+    def all(self) -> list[tuple[Any, ...]]:
+        return self.rows or []
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or ``None``."""
+        row = self.one()
+        return row[0] if row else None
 
 
 @dataclass(slots=True)
@@ -101,7 +140,7 @@ def usable(raw: psycopg.Connection[Any]) -> bool:
     return (
         _PostgresQuery is not None
         and isinstance(raw, BoundedConnection)
-        and psycopg.Pipeline.is_supported()
+        and _PIPELINES
         and not raw.autocommit
         and getattr(raw, "_pipeline", None) is None
         and hasattr(raw, "_get_tx_start_command")
@@ -120,7 +159,7 @@ def round_trip(
     statements: Sequence[tuple[sql.Composable | str, Sequence[Any] | Mapping[str, Any] | None]],
     *,
     commit: bool = False,
-) -> tuple[list[Outcome | None], psycopg.Error | None]:
+) -> tuple[list[Result | None], psycopg.Error | None]:
     """Send ``statements`` (and COMMIT) in one round trip on ``raw``; their
     outcomes (``None`` for those the server skipped after a failure) and
     the first error, if one failed. Raises what the connection raises
@@ -178,7 +217,7 @@ def round_trip(
             # connection is given up (its pool then drops it)
             abandon_connection(raw, owner=True)
             raise
-    outcomes: list[Outcome | None] = [None] * len(statements)
+    outcomes: list[Result | None] = [None] * len(statements)
     first: psycopg.Error | None = None
     for what, results in zip(expected, groups, strict=True):
         if isinstance(what, tuple) and results and results[-1].status == _COMMAND_OK:
@@ -258,14 +297,13 @@ def _message(pgconn: pq.abc.PGconn) -> str:
     return (pgconn.error_message or b"").decode(errors="replace").strip() or "no message"
 
 
-def _outcome(tx: Any, result: Any, encoding: str) -> Outcome:
+def _outcome(tx: Any, result: Any, encoding: str) -> Result:
     if result.status != _TUPLES_OK:
         tuples = result.command_tuples
-        return Outcome(-1 if tuples is None else tuples)
+        return Result(-1 if tuples is None else tuples)
     tx.set_pgresult(result)
     n = result.ntuples
-    columns = tuple((result.fname(i) or b"").decode(encoding) for i in range(result.nfields))
-    return Outcome(n, tx.load_rows(0, n, tuple), columns)
+    return Result(n, tx.load_rows(0, n, tuple), source=(result, encoding))
 
 
-__all__ = ["MAX_PREPARED", "PREPARE_AT", "Outcome", "forget", "round_trip", "usable"]
+__all__ = ["MAX_PREPARED", "PREPARE_AT", "Result", "forget", "round_trip", "usable"]
