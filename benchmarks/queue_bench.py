@@ -28,7 +28,8 @@ Scheduler whose job has ``workers`` = 1, 2, 4; and four workers draining
 without pause beside a recompute of their group every 5 s (flow): the
 longest gap between the recompute's starts says whether the workers starve it.
 
-Also the median cost of an idle tick. Prints a table with the machine's
+Also the median cost of an idle tick, and the CPU an idle Scheduler spends
+waiting (a second). Prints a table with the machine's
 reference timings and writes JSON to ``benchmarks/results/queue_bench.json``.
 Targets (each printed as "target ...: met" or "NOT met"): drain at batch
 100 >= 5,000 items/s and within 1.2x of the loop; batch 1 >= 357 items/s
@@ -462,6 +463,25 @@ def idle_tick(server: str, samples: int) -> dict:
     }
 
 
+def idle_scheduler(server: str, seconds: float = 10.0) -> float:
+    """CPU (ms a second) of this process while a started Scheduler with one
+    listening queue job waits, nothing enqueued: what the trickle's CPU per
+    item carries at 10/s (divided by 10)."""
+    with fresh_database(server, prefix="pgjobs_bench") as url:
+        engine = create_engine(url)
+        try:
+            setup(engine, 10)
+            job = make_job(100, name="idle-scheduler", every="30s")
+            with pgjobs.Scheduler([job], engine, keep_runs=None) as running:
+                assert running.listener is not None and running.listener.listening.wait(10)
+                time.sleep(1.5)  # past the first (idle) tick
+                cpu, began = time.process_time(), time.perf_counter()
+                time.sleep(seconds)
+                return 1000 * (time.process_time() - cpu) / (time.perf_counter() - began)
+        finally:
+            engine.dispose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dsn", default=None, help="server URL (default: $PGJOBS_TEST_DSN)")
@@ -545,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         idle = idle_tick(server, args.idle_samples)
+        waiting = idle_scheduler(server)
 
     summary = []
     for batch in args.batches:
@@ -589,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(_machine.describe(machine))
     print(f"idle tick: median {idle['median_ms']:.2f} ms, p95 {idle['p95_ms']:.2f} ms")
+    print(f"an idle Scheduler (one listening queue job): {waiting:.2f} ms of CPU a second")
     checks = []
     for x in summary:
         if x["batch_size"] == 100:
@@ -645,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                 "starvation": starving,
                 "trickle_summary": trickle_summary,
                 "idle_tick": idle,
+                "idle_scheduler_cpu_ms_per_s": waiting,
             },
             indent=2,
         )

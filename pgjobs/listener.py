@@ -28,6 +28,7 @@ does not come back in time counts as a lost connection: noticed within
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -147,19 +148,21 @@ class Listener:
     def _receive(self, conn: psycopg.Connection[Any]) -> None:
         heard = time.monotonic()
         while not self._stop.is_set():
-            for notify in conn.notifies(timeout=_POLL_SECONDS):
+            for name in _arrived(conn, _POLL_SECONDS):
                 heard = time.monotonic()
-                job = self.channels.get(notify.channel)
+                job = self.channels.get(name)
                 if job is not None:
                     self.wake(job)
-                if self._stop.is_set():
-                    return
             if time.monotonic() - heard >= self.check_every:
                 # a half-open connection says nothing: ask it something (a
-                # notification that arrives meanwhile waits in psycopg's backlog
-                # for the next notifies()); no answer in check_timeout raises
+                # notification that arrives meanwhile waits in psycopg's backlog:
+                # taken at once); no answer in check_timeout raises
                 conn.execute("select 1")
                 heard = time.monotonic()
+                for notify in conn.notifies(timeout=0):
+                    job = self.channels.get(notify.channel)
+                    if job is not None:
+                        self.wake(job)
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -168,6 +171,26 @@ class Listener:
                 conn.close()
             except Exception:
                 log.debug("pgjobs: closing the listener's connection failed", exc_info=True)
+
+
+def _arrived(conn: psycopg.Connection[Any], timeout: float) -> list[str]:
+    """The channels of the notifications that arrive on ``conn`` within
+    ``timeout`` seconds (none: an empty list). A wait on the socket, then
+    libpq reads what came: psycopg's ``notifies(timeout=)`` cost the idle
+    listener about 0.7 ms of CPU a call (4 ms a second of an idle
+    scheduler, polling every 0.2 s), this about 0.1. A connection lost
+    raises (libpq's read fails)."""
+    pgconn = conn.pgconn
+    if not select.select([pgconn.socket], [], [], timeout)[0]:
+        return []
+    pgconn.consume_input()
+    if pgconn.status == psycopg.pq.ConnStatus.BAD:
+        raise psycopg.OperationalError("pgjobs: the listener's connection was lost")
+    encoding = conn.info.encoding
+    names = []
+    while (notify := pgconn.notifies()) is not None:
+        names.append(notify.relname.decode(encoding))
+    return names
 
 
 def _server(conn: psycopg.Connection[Any] | None) -> str:

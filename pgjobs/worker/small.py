@@ -82,7 +82,7 @@ def write_small(
         composed, row = ahead
     else:
         composed = t.statements.small_ready.get(source)
-        query, bound = None, {}
+        bound: dict[str, Any] = {}  # (a statement found ready takes no parameter)
         if composed is None:
             clause = text(strip(source))
             query = plain_sql(t.conn, clause)
