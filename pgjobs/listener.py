@@ -28,7 +28,7 @@ does not come back in time counts as a lost connection: noticed within
 from __future__ import annotations
 
 import logging
-import select
+import selectors
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -146,9 +146,14 @@ class Listener:
         return conn
 
     def _receive(self, conn: psycopg.Connection[Any]) -> None:
+        with selectors.DefaultSelector() as socket:  # (epoll where there is: no fd limit)
+            socket.register(conn.pgconn.socket, selectors.EVENT_READ)
+            self._receive_on(conn, socket)
+
+    def _receive_on(self, conn: psycopg.Connection[Any], socket: selectors.BaseSelector) -> None:
         heard = time.monotonic()
         while not self._stop.is_set():
-            for name in _arrived(conn, _POLL_SECONDS):
+            for name in _arrived(conn, socket, _POLL_SECONDS):
                 heard = time.monotonic()
                 job = self.channels.get(name)
                 if job is not None:
@@ -173,15 +178,17 @@ class Listener:
                 log.debug("pgjobs: closing the listener's connection failed", exc_info=True)
 
 
-def _arrived(conn: psycopg.Connection[Any], timeout: float) -> list[str]:
+def _arrived(
+    conn: psycopg.Connection[Any], socket: selectors.BaseSelector, timeout: float
+) -> list[str]:
     """The channels of the notifications that arrive on ``conn`` within
-    ``timeout`` seconds (none: an empty list). A wait on the socket, then
+    ``timeout`` seconds (none: an empty list). A wait on its ``socket``, then
     libpq reads what came: psycopg's ``notifies(timeout=)`` cost the idle
     listener about 0.7 ms of CPU a call (4 ms a second of an idle
     scheduler, polling every 0.2 s), this about 0.1. A connection lost
     raises (libpq's read fails)."""
     pgconn = conn.pgconn
-    if not select.select([pgconn.socket], [], [], timeout)[0]:
+    if not socket.select(timeout):
         return []
     pgconn.consume_input()
     if pgconn.status == psycopg.pq.ConnStatus.BAD:
