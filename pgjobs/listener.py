@@ -153,21 +153,20 @@ class Listener:
     def _receive_on(self, conn: psycopg.Connection[Any], socket: selectors.BaseSelector) -> None:
         heard = time.monotonic()
         while not self._stop.is_set():
-            for name in _arrived(conn, socket, _POLL_SECONDS):
+            names = _arrived(conn, socket, _POLL_SECONDS)
+            if names:
                 heard = time.monotonic()
-                job = self.channels.get(name)
-                if job is not None:
-                    self.wake(job)
-            if time.monotonic() - heard >= self.check_every:
+            elif time.monotonic() - heard >= self.check_every:
                 # a half-open connection says nothing: ask it something (a
                 # notification that arrives meanwhile waits in psycopg's backlog:
                 # taken at once); no answer in check_timeout raises
                 conn.execute("select 1")
                 heard = time.monotonic()
-                for notify in conn.notifies(timeout=0):
-                    job = self.channels.get(notify.channel)
-                    if job is not None:
-                        self.wake(job)
+                names = [notify.channel for notify in conn.notifies(timeout=0)]
+            for name in names:
+                job = self.channels.get(name)
+                if job is not None:
+                    self.wake(job)
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None

@@ -212,8 +212,9 @@ def test_a_tick_on_a_session_whose_statements_are_gone_is_interrupted_not_failed
         engine.dispose()
 
 
-def test_send_goes_through_the_wire(raw: psycopg.Connection[Any], db_url: str) -> None:
-    """pgjobs' send() takes this path on its connections (not psycopg's cursors)."""
+def test_send_goes_through_the_wire(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pgjobs' send() takes this path on its connections (not psycopg's
+    cursors): what was queued and the statement, in one round trip."""
     engine = create_engine(db_url)
     seen: list[int] = []
     round_trip = _wire.round_trip
@@ -222,16 +223,13 @@ def test_send_goes_through_the_wire(raw: psycopg.Connection[Any], db_url: str) -
         seen.append(len(statements))
         return round_trip(conn, statements, **kwargs)
 
+    monkeypatch.setattr(_wire, "round_trip", spy)
     try:
         with engine.connect() as conn:
             bound(conn.connection.driver_connection, 10.0)
-            _wire.round_trip = spy  # type: ignore[assignment]
-            try:
-                with conn.begin():
-                    _pg.later(conn, "select 1")
-                    (one,) = _pg.send(conn, ("select %s::int", (5,)))
-            finally:
-                _wire.round_trip = round_trip  # type: ignore[assignment]
+            with conn.begin():
+                _pg.later(conn, "select 1")
+                (one,) = _pg.send(conn, ("select %s::int", (5,)))
         assert one.scalar() == 5 and seen == [2]
     finally:
         engine.dispose()
