@@ -8,6 +8,7 @@ from __future__ import annotations
 from .api import check, install, run_once
 from .backoff import Backoff
 from .config import Config, load_config
+from .derived import Derived, Source
 from .drift import CheckResult, Sample
 from .durations import parse_duration
 from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
@@ -35,6 +36,7 @@ __all__ = [
     "CheckResult",
     "Config",
     "ConfigError",
+    "Derived",
     "DiffStats",
     "Job",
     "JobError",
@@ -54,6 +56,7 @@ __all__ = [
     "Sample",
     "Scheduler",
     "SchemaError",
+    "Source",
     "TaskJob",
     "check",
     "drop_enqueue_trigger",

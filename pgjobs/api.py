@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 
 from .database import engine_for
 from .deadline import DEFAULT_CALL_TIMEOUT
+from .derived import Derived, install_triggers
 from .drift import SAMPLE, CheckResult, check_on, workers_of
 from .durations import Duration, parse_duration
 from .errors import ConfigError
@@ -24,12 +25,27 @@ from .runner import Runner
 from .store import DEFAULT_SCHEMA
 
 
-def install(database: str | Engine | None = None, *, schema: str = DEFAULT_SCHEMA) -> None:
+def install(
+    database: str | Engine | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    derived: Iterable[Derived] = (),
+) -> None:
     """Create (or upgrade) pgjobs' own tables in ``schema``, idempotently and
     safely when several processes do it at once. The first tick does it too;
-    call it before :func:`pgjobs.enqueue` in a fresh database."""
+    call it before :func:`pgjobs.enqueue` in a fresh database.
+
+    ``derived``: declarations (:class:`~pgjobs.Derived`, or
+    ``registry.derived()``) whose sources' triggers to install, update or
+    remove as ``pgjobs migrate`` does: each declaration is checked against
+    the database first (a :class:`ConfigError` naming the key, nothing
+    installed), and triggers no declaration given wants are dropped."""
+    declared = list(derived)
     with Runner(database, schema=schema) as runner:
         runner.install()
+        if declared:
+            with runner.engine.connect() as conn:
+                install_triggers(conn, declared, schema)
 
 
 def run_once(

@@ -16,30 +16,39 @@ from collections.abc import Iterable
 from sqlalchemy.engine import Connection, Engine
 
 from ._pg import connection_lost, error_text
+from .derived import check_one
 from .errors import ConfigError
 from .jobs import QueueJob, RecomputeJob
 from .registry import Registered
 from .staging import check_coverage, check_sql
+from .store import DEFAULT_SCHEMA
 from .target import reflect_target
 
 
-def check_jobs(engine: Engine, entries: Iterable[Registered]) -> None:
+def check_jobs(
+    engine: Engine, entries: Iterable[Registered], *, schema: str = DEFAULT_SCHEMA
+) -> None:
     """Check the recompute and queue jobs of ``entries`` against the
     database, each in a read-only transaction that is rolled back: the
     target exists, its diff key is a primary key or NOT NULL columns with a
     unique index, declared parents exist, a queue job's scope columns, and a
     recompute's SQL text, planned with LIMIT 0 (no row computed) and its
     columns matched against the target. Raises :class:`ConfigError` naming
-    the job's config key (or plugin)."""
+    the job's config key (or plugin). A derived table's recompute job is
+    checked against its declaration too (:func:`pgjobs.derived.check_one`:
+    its sources, their mappings, what its SQL reads), and its triggers
+    that disagree with it are logged (in ``schema``)."""
     wanted = [e for e in entries if isinstance(e.job, RecomputeJob | QueueJob)]
     if not wanted:
         return
     with engine.connect() as conn:
         for entry in wanted:
-            _check_one(conn, entry)
+            _check_one(conn, entry, schema)
 
 
-def check_each(engine: Engine, entries: Iterable[Registered]) -> dict[str, Exception]:
+def check_each(
+    engine: Engine, entries: Iterable[Registered], *, schema: str = DEFAULT_SCHEMA
+) -> dict[str, Exception]:
     """:func:`check_jobs`, job by job, without stopping at the first that
     fails: what each failing job's check raised, by job name (a
     :class:`ConfigError` naming its config key or plugin, or the database's
@@ -51,7 +60,7 @@ def check_each(engine: Engine, entries: Iterable[Registered]) -> dict[str, Excep
     with engine.connect() as conn:
         for entry in wanted:
             try:
-                _check_one(conn, entry)
+                _check_one(conn, entry, schema)
             except Exception as exc:
                 if connection_lost(exc):
                     raise
@@ -59,13 +68,15 @@ def check_each(engine: Engine, entries: Iterable[Registered]) -> dict[str, Excep
     return failed
 
 
-def _check_one(conn: Connection, entry: Registered) -> None:
+def _check_one(conn: Connection, entry: Registered, schema: str) -> None:
     trans = conn.begin()
     try:
         conn.exec_driver_sql("set transaction read only")
         conn.exec_driver_sql("set local statement_timeout = '15s'")
         conn.exec_driver_sql("set local lock_timeout = '5s'")
         _check_job(conn, entry)
+        if entry.derived is not None and isinstance(entry.job, RecomputeJob):
+            check_one(conn, entry.derived, schema)
     finally:
         trans.rollback()
 

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .backoff import Backoff
 from .cron import check_cron, check_text, check_timezone
+from .derived import Derived
+from .derived.declare import SETTINGS_FOR as DERIVED_SETTINGS
 from .durations import parse_duration, parse_timeout
 from .errors import ConfigError
 from .jobs import (
@@ -88,6 +90,7 @@ _TOP_KEYS = (
     "auto_migrate",
     "call_timeout",
     "jobs",
+    "derived",
 )
 _KINDS = ("recompute", "queue", "task")
 _DIFF_KINDS = ("recompute", "queue")
@@ -128,6 +131,8 @@ DECLARE_KEYS: dict[str, tuple[str, ...]] = {
     "sql_file": _KINDS,
     "scope": ("queue",),
 }
+#: what a ``[derived.NAME]`` table takes besides the job settings of its jobs
+DERIVED_KEYS = ("target", "scope", "sql", "sql_file", "every", "sources", "static")
 _BACKOFF_KEYS = ("initial", "factor", "max", "jitter")
 _PARENT_KEYS = ("table", "columns", "parent_columns")
 
@@ -234,6 +239,8 @@ class Config:
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
     overrides: Mapping[str, JobOverride] = field(default_factory=dict)
+    #: derived tables declared in the file (``[derived.NAME]``)
+    derived: tuple[Derived, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("namespace", "schema"):
@@ -493,7 +500,79 @@ class _Parser:
                 overrides[name] = self.override(table, where)
         fields["jobs"] = tuple(declared)
         fields["overrides"] = overrides
+        derived = data.get("derived", {})
+        if not isinstance(derived, dict):
+            raise self.fail(
+                "derived", "expected a table of derived tables ([derived.NAME])", derived
+            )
+        fields["derived"] = tuple(
+            self.derived(name, table, f"derived.{name}") for name, table in derived.items()
+        )
         return Config(**fields)
+
+    def derived(self, name: str, table: Any, where: str) -> Derived:
+        """A ``[derived.NAME]`` table: :class:`~pgjobs.derived.Derived`."""
+        if not isinstance(table, dict):
+            raise self.fail(where, "expected a table ([derived.NAME])", table)
+        self.check_keys(table, (*DERIVED_KEYS, *DERIVED_SETTINGS), where)
+        for required in ("target", "scope", "sources"):
+            if required not in table:
+                what = {
+                    "target": "the table it keeps",
+                    "scope": "the key column(s) of an item",
+                    "sources": "the tables its SQL reads, each mapped to keys",
+                }[required]
+                raise self.fail(f"{where}.{required}", f"required: {what}", None)
+        sources = table["sources"]
+        if not isinstance(sources, dict) or not sources:
+            raise self.fail(
+                f"{where}.sources",
+                'expected a table: table = [its key columns] or table = "mapping SQL"',
+                sources,
+            )
+        for source, value in sources.items():
+            key = f"{where}.sources.{source}"
+            if isinstance(value, str):
+                self.text(value, key)
+            elif (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(v, str) and v for v in value)
+            ):
+                raise self.fail(
+                    key, "expected a list of the key's columns (in scope order) or SQL text", value
+                )
+        static = table.get("static", [])
+        if isinstance(static, str):
+            static = [static]
+        if not isinstance(static, list) or not all(isinstance(v, str) and v for v in static):
+            raise self.fail(f"{where}.static", "expected a list of table names", static)
+        settings = {
+            setting: self.setting(setting, value, f"{where}.{setting}")
+            for setting, value in table.items()
+            if setting in DERIVED_SETTINGS
+        }
+        every: Any = "1h"
+        if "every" in table:
+            every = self.setting("every", table["every"], f"{where}.every")
+            if "cron" in table:
+                raise self.fail(f"{where}.cron", "give every or cron, not both", table["cron"])
+        try:
+            return Derived(
+                name=self.model(lambda: check_name(name, where)),
+                target=self.target(table["target"], f"{where}.target"),
+                scope=self.names(table["scope"], f"{where}.scope"),
+                sql=self.query(table, where),
+                sources=dict(sources),
+                every=every,
+                static=tuple(static),
+                settings=settings,
+                origin=self.source,
+            )
+        except ConfigError as exc:
+            if str(exc).startswith(self.source):
+                raise
+            raise self.wrap(where, exc) from None
 
     def override(self, table: Mapping[str, Any], where: str) -> JobOverride:
         if not table:

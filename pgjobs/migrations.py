@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from psycopg import errors, sql
 from sqlalchemy.engine import Connection
@@ -272,7 +272,7 @@ DEFAULT_SETTINGS = MigrateSettings()
 
 
 # -- the statements -----------------------------------------------------------------
-def _lock_key(schema: str) -> str:
+def lock_key(schema: str) -> str:
     # the previous release takes the same lock: old and new migrators queue
     return f"pgjobs-store:{schema}"
 
@@ -343,7 +343,7 @@ def script(
         f"set local lock_timeout = '{settings.millis('lock_timeout')}';",
         f"set local statement_timeout = '{settings.millis('statement_timeout')}';",
         sql.SQL("select pg_advisory_xact_lock(hashtextextended({}, 0));")
-        .format(sql.Literal(_lock_key(schema)))
+        .format(sql.Literal(lock_key(schema)))
         .as_string(context),
     ]
     body: list[str] = []
@@ -385,7 +385,7 @@ def _attempt(
         execute(
             conn,
             "select pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            (_lock_key(schema),),
+            (lock_key(schema),),
         )
         _set(conn, "lock_timeout", settings.millis("lock_timeout"))
         _set(conn, "statement_timeout", settings.millis("statement_timeout"))
@@ -438,41 +438,63 @@ def _migrate(
     sleep: Callable[[float], None],
 ) -> list[Migration]:
     shipped = migrations() if available is None else tuple(available)
+    found, applied = retrying(
+        lambda: _attempt(conn, schema, shipped, settings),
+        f"migrating schema {schema}",
+        settings=settings,
+        sleep=sleep,
+    )
+    if found.newer:
+        _warn_newer(found)
+    return applied
+
+
+_R = TypeVar("_R")
+
+
+def retrying(
+    attempt: Callable[[], _R],
+    what: str,
+    *,
+    settings: MigrateSettings = DEFAULT_SETTINGS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> _R:
+    """``attempt()`` (one transaction whose table locks wait at most
+    ``settings.lock_timeout``), retried with backoff and a log line while a
+    lock is not granted in time, for ``settings.retry_for``; then
+    :class:`MigrationError` saying nothing was applied. Migrations and the
+    derived tables' triggers (:mod:`pgjobs.derived`) both install so."""
     retry_for = settings.retry_for
     assert isinstance(retry_for, timedelta)
     deadline = time.monotonic() + retry_for.total_seconds()
-    delay, attempt = 0.1, 1
+    delay, count = 0.1, 1
     while True:
         try:
-            found, applied = _attempt(conn, schema, shipped, settings)
+            return attempt()
         except errors.LockNotAvailable as exc:
             left = deadline - time.monotonic()
-            what = (exc.diag.message_primary or str(exc)).strip()
+            held = (exc.diag.message_primary or str(exc)).strip()
             if left <= 0:
                 raise MigrationError(
-                    f"pgjobs: migrating schema {schema!r}: a lock was not granted within"
-                    f" {format_duration(_td(settings.lock_timeout))} ({what}), attempt"
-                    f" {attempt}; gave up after {format_duration(retry_for)}. Nothing was"
+                    f"pgjobs: {what}: a lock was not granted within"
+                    f" {format_duration(_td(settings.lock_timeout))} ({held}), attempt"
+                    f" {count}; gave up after {format_duration(retry_for)}. Nothing was"
                     " applied: another transaction holds a lock on pgjobs' tables (a long"
                     " run?); try again, or with a longer --retry-for"
                 ) from exc
             wait = min(delay * (1 + random.random() / 2), left)
             log.warning(
-                "pgjobs: migrating schema %s: a lock was not granted within %s (%s), attempt"
+                "pgjobs: %s: a lock was not granted within %s (%s), attempt"
                 " %d rolled back; retrying in %.1f s (gives up %.0f s from now)",
-                schema,
-                format_duration(_td(settings.lock_timeout)),
                 what,
-                attempt,
+                format_duration(_td(settings.lock_timeout)),
+                held,
+                count,
                 wait,
                 left,
             )
             sleep(wait)
-            delay, attempt = min(delay * 2, 5.0), attempt + 1
-            continue
-        if found.newer:
-            _warn_newer(found)
-        return applied
+            delay, count = min(delay * 2, 5.0), count + 1
 
 
 def _td(value: Duration) -> timedelta:
@@ -561,11 +583,13 @@ __all__ = [
     "ensure",
     "install_bound",
     "load",
+    "lock_key",
     "migrate",
     "migrations",
     "parse",
     "plan",
     "read",
+    "retrying",
     "script",
     "statements",
 ]

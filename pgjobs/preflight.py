@@ -54,7 +54,7 @@ class Preflight:
         """Check ``entries`` (the database must answer: otherwise this raises);
         set aside and record those that fail. Returns them."""
         entries = list(entries)
-        failed = check_each(self.runner.engine, entries)
+        failed = check_each(self.runner.engine, entries, schema=self.runner.store.schema)
         for entry in entries:
             exc = failed.get(entry.job.name)
             if exc is not None:
@@ -76,7 +76,7 @@ class Preflight:
             # another thread asking meanwhile waits for the next check time
             self._next[job.name] = datetime.max.replace(tzinfo=due.tzinfo)
         try:
-            failed = check_each(self.runner.engine, [entry])
+            failed = check_each(self.runner.engine, [entry], schema=self.runner.store.schema)
         except Exception:
             with self._lock:
                 self._next[job.name] = due  # the database is away: check at the next tick

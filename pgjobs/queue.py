@@ -30,7 +30,7 @@ import logging
 import math
 import sys
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import date, datetime
 from datetime import time as dtime
 from decimal import Decimal
@@ -340,23 +340,35 @@ async def drop_enqueue_trigger_async(
         await raw.execute(statement)
 
 
-_TRIGGER_EVENTS = (
+#: (event, its REFERENCING clause): the three events whose rows carry keys
+TRIGGER_EVENTS = (
     ("insert", "referencing new table as new_rows"),
     ("update", "referencing old table as old_rows new table as new_rows"),
     ("delete", "referencing old table as old_rows"),
 )
+#: a TRUNCATE has no rows to read (no transition table), only the fact
+TRUNCATE_EVENT = ("truncate", "")
 
 
-def _trigger_statements(
-    name: str, table: str, cols: tuple[str, ...], schema: str
+def trigger_statements(
+    name: str,
+    table: str | sql.Identifier,
+    schema: str,
+    *,
+    args: Callable[[str], Sequence[str]],
+    function: str = "enqueue_trigger",
+    events: Sequence[tuple[str, str]] = TRIGGER_EVENTS,
 ) -> list[sql.Composed]:
-    """Drop, then create, the three statement-level triggers, in that order."""
-    ident = qualified(table)
-    args = sql.SQL(", ").join([sql.Literal(name), *(sql.Literal(c) for c in cols)])
-    function = sql.Identifier(schema, "enqueue_trigger")
+    """Drop, then create, one statement-level trigger per event on
+    ``table``, each calling ``<schema>.<function>(args(event))`` (an SQL
+    function that enqueues for job ``name``). The one place pgjobs composes
+    its enqueue triggers: :func:`install_enqueue_trigger` and the derived
+    tables' (:mod:`pgjobs.derived`) both go through it."""
+    ident = qualified(table) if isinstance(table, str) else table
+    target = sql.Identifier(schema, function)
     statements = []
-    for event, referencing in _TRIGGER_EVENTS:
-        trigger = sql.Identifier(_trigger_name(name, event))
+    for event, referencing in events:
+        trigger = sql.Identifier(trigger_name(name, event))
         statements.append(sql.SQL("drop trigger if exists {} on {}").format(trigger, ident))
         statements.append(
             sql.SQL(
@@ -365,18 +377,35 @@ def _trigger_statements(
                 + " on {} "
                 + referencing
                 + " for each statement execute function {}({})"
-            ).format(trigger, ident, function, args)
+            ).format(
+                trigger, ident, target, sql.SQL(", ").join(sql.Literal(a) for a in args(event))
+            )
         )
     return statements
 
 
-def _drop_statements(name: str, table: str) -> list[sql.Composed]:
+def _trigger_statements(
+    name: str, table: str, cols: tuple[str, ...], schema: str
+) -> list[sql.Composed]:
+    """Drop, then create, the three statement-level triggers, in that order."""
+    return trigger_statements(name, table, schema, args=lambda _event: (name, *cols))
+
+
+def drop_statements(
+    name: str, table: str | sql.Identifier, events: Sequence[tuple[str, str]] = TRIGGER_EVENTS
+) -> list[sql.Composed]:
+    """Drop the triggers :func:`trigger_statements` creates for ``name``."""
+    ident = qualified(table) if isinstance(table, str) else table
     return [
         sql.SQL("drop trigger if exists {} on {}").format(
-            sql.Identifier(_trigger_name(name, event)), qualified(table)
+            sql.Identifier(trigger_name(name, event)), ident
         )
-        for event, _ in _TRIGGER_EVENTS
+        for event, _ in events
     ]
+
+
+def _drop_statements(name: str, table: str) -> list[sql.Composed]:
+    return drop_statements(name, table)
 
 
 def _trigger_columns(columns: Sequence[str], job: str | Queued) -> tuple[str, ...]:
@@ -390,7 +419,7 @@ def _trigger_columns(columns: Sequence[str], job: str | Queued) -> tuple[str, ..
     return cols
 
 
-def _trigger_name(job: str, event: str) -> str:
+def trigger_name(job: str, event: str) -> str:
     # Trigger names are per table and at most 63 bytes: a digest keeps them
     # unique per job however long the job's name is.
     digest = hashlib.sha1(job.encode()).hexdigest()[:10]
@@ -468,10 +497,13 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
 
 
 __all__ = [
+    "TRIGGER_EVENTS",
+    "TRUNCATE_EVENT",
     "QueueStats",
     "channel",
     "drop_enqueue_trigger",
     "drop_enqueue_trigger_async",
+    "drop_statements",
     "enqueue",
     "enqueue_async",
     "install_enqueue_trigger",
@@ -479,5 +511,7 @@ __all__ = [
     "key_json",
     "queue_stats",
     "queue_stats_async",
+    "trigger_name",
+    "trigger_statements",
     "vacuum_queue",
 ]

@@ -31,6 +31,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config, load_config
+from .derived import Derived, chain_order
 from .errors import ConfigError, PluginError
 from .jobs import Job, QueueJob, RecomputeJob
 
@@ -58,10 +59,14 @@ class Registered:
     owner: str
     #: the config file that declares the job (``None`` for a plugin's job)
     config: Path | None = None
+    #: the derived table the job was made for (``[derived.NAME]``), if any
+    derived: Derived | None = None
 
     @property
     def where(self) -> str:
         """How errors about this job start: the config key, or the plugin."""
+        if self.derived is not None:
+            return self.derived.where
         if self.config is not None:
             return f"{self.config}: jobs.{self.job.name}"
         return f"job {self.job.name!r} (plugin {self.owner!r})"
@@ -118,15 +123,18 @@ class Registry:
         registry._collect()
         registry._add_config(config)
         registry._check_groups()
+        registry._check_derived()
         return registry
 
     @classmethod
-    def from_jobs(cls, jobs: Iterable[Job], *, owner: str = "application") -> Registry:
-        """A registry of ``jobs`` given directly (no plugins), validated the same way."""
+    def from_jobs(cls, jobs: Iterable[Job | Derived], *, owner: str = "application") -> Registry:
+        """A registry of ``jobs`` (and derived tables) given directly (no
+        plugins), validated the same way."""
         registry = cls()
         for job in jobs:
             registry._register(job, owner, plugin=False)
         registry._check_groups()
+        registry._check_derived()
         return registry
 
     def _load_entry_points(self, disabled: set[str], only: list[str] | None) -> None:
@@ -237,16 +245,27 @@ class Registry:
                 ) from exc
 
     def _register(
-        self, job: object, owner: str, config: Path | None = None, *, plugin: bool = True
+        self,
+        job: object,
+        owner: str,
+        config: Path | None = None,
+        *,
+        plugin: bool = True,
+        derived: Derived | None = None,
     ) -> None:
         # A plugin's mistake is a PluginError; the config's or an embedder's a ConfigError.
         error = PluginError if plugin and config is None else ConfigError
+        if isinstance(job, Derived):
+            # a derived table is its two jobs, each remembering the declaration
+            for made in job.jobs():
+                self._register(made, owner, config, plugin=plugin, derived=job)
+            return
         if not isinstance(job, Job):
             raise error(
                 f"{'plugin ' if plugin else ''}{owner!r} registered {job!r}: expected a "
-                "pgjobs.RecomputeJob, QueueJob or TaskJob"
+                "pgjobs.RecomputeJob, QueueJob, TaskJob or Derived"
             )
-        entry = Registered(job, owner, config)
+        entry = Registered(job, owner, config, derived)
         first = self._entries.get(job.name)
         if first is not None:
             message = (
@@ -260,6 +279,8 @@ class Registry:
         owner = config.source
         for job in config.jobs:
             self._register(job, owner, config.path)
+        for declared in config.derived:
+            self._register(declared, owner, config.path)
         for name, override in config.overrides.items():
             entry = self._entries.get(name)
             where = f"{config.source}: jobs.{name}"
@@ -323,7 +344,20 @@ class Registry:
                 if scope != job.worker_scope:
                     self._entries[job.name] = replace(entry, job=job.replace(worker_scope=scope))
 
+    def _check_derived(self) -> None:
+        """Refuse a cycle among the derived tables (:func:`chain_order`)."""
+        chain_order(self.derived())
+
     # -- reading -------------------------------------------------------------
+    def derived(self) -> list[Derived]:
+        """The derived tables declared (``[derived.NAME]``, ``register(Derived(...))``),
+        in dependency order: a table after those it reads."""
+        found: dict[str, Derived] = {}
+        for entry in self._entries.values():
+            if entry.derived is not None:
+                found.setdefault(entry.derived.name, entry.derived)
+        return chain_order(found.values())
+
     def get(self, name: str) -> Job:
         """The job named ``name``; :class:`ConfigError` naming it and the known jobs."""
         entry = self._entries.get(name)

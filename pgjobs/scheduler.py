@@ -283,7 +283,11 @@ class Scheduler:
             if self._aps is not None:
                 return
             if self.check and self.strict:
-                check_jobs(self.runner.engine, [self.registry.entry(n) for n in self.jobs])
+                check_jobs(
+                    self.runner.engine,
+                    [self.registry.entry(n) for n in self.jobs],
+                    schema=self.runner.store.schema,
+                )
             self.runner.install()
             if self.check and not self.strict:
                 self.preflight.check(self.registry.entry(n) for n in self.jobs)

@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "markup",
         },
     ),
-    ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
+    ("definitions", {"checks", "registry", "config", "hookspecs", "preflight", "derived"}),
     ("protocol", {"runner", "steps", "records", "drift"}),
     ("bodies", {"recompute", "worker"}),
     (

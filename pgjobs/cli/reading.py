@@ -139,15 +139,17 @@ def _status(
 def status(config_path: str | None, database: str | None, as_json: bool) -> None:
     """Each job's last outcome, next attempt, failures, rows changed and queue depth.
 
-    Exit 1 while a job is failing (backing off), for health checks.
+    Exit 1 while a job is failing (backing off), or while a derived table's
+    triggers disagree with its declaration, for health checks.
     """
     from ..operate import check_line
 
     with _errors():
         config, registry, url = _load(config_path, database)
         rows, now, schedulers = _status(registry, config, url)
+        triggers = _trigger_lines(registry, config, url)
         if as_json:
-            data = {"now": now, "jobs": rows, "schedulers": schedulers}
+            data = {"now": now, "jobs": rows, "schedulers": schedulers, "triggers": triggers}
             click.echo(json.dumps(_jsonable(data), indent=2))
         else:
             table = []
@@ -205,8 +207,26 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 from ..operate import schedulers_table
 
                 click.echo("\n" + schedulers_table(schedulers, now))
-        if any(r["failures"] for r in rows):
+            if triggers:
+                click.echo("\nderived tables' triggers that disagree with the declarations:")
+                for line in triggers:
+                    click.echo(f"  {line}")
+                click.echo("(`pgjobs migrate` makes them agree)")
+        if any(r["failures"] for r in rows) or triggers:
             sys.exit(EXIT_FAILED)
+
+
+def _trigger_lines(registry: Registry, config: Config, url: str | None) -> list[str]:
+    """The derived tables' triggers that disagree with the declarations
+    (:func:`pgjobs.derived.read_plan`), one line each; none without declarations."""
+    declared = registry.derived()
+    if not declared:
+        return []
+    from ..database import engine_for
+    from ..derived import read_plan
+
+    with engine_for(url, call_timeout=config.call_timeout.total_seconds()) as engine:
+        return read_plan(engine, declared, config.schema).lines()
 
 
 __all__ = [

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 
 import click
 
+from ..config import Config
 from ..progress import Display
+from ..registry import Registered
 from ..results import Outcome, RunResult
 from .base import (
     EXIT_DATABASE,
@@ -108,7 +111,7 @@ def once(
             call_timeout=config.call_timeout,
         ) as runner:
             if not no_check:
-                check_jobs(runner.engine, [registry.entry(job)])
+                check_jobs(runner.engine, [registry.entry(job)], schema=config.schema)
             with Display(job, sys.stderr) as progress:
                 result = runner.tick(target, force=True, run_paused=force, progress=progress)
         if as_json:
@@ -185,10 +188,30 @@ def check(
         except psycopg.Error as exc:  # the check's own statement (its timeout, the SQL)
             click.echo(f"pgjobs: the check failed: {first_line(exc)}", err=True)
             sys.exit(EXIT_DATABASE)
-        out = json.dumps(_jsonable(result.as_dict()), indent=2) if as_json else None
-        click.echo(out or drift_text.summary(result))
-        if result.drift:
+        triggers = _derived_triggers(registry.entry(job), config, url)
+        if as_json:
+            out = json.dumps(_jsonable({**result.as_dict(), "triggers": triggers}), indent=2)
+        else:
+            out = drift_text.summary(result)
+            if triggers:
+                out += "\n" + "\n".join(triggers) + "\n(`pgjobs migrate` makes them agree)"
+        click.echo(out)
+        if result.drift or triggers:
             sys.exit(EXIT_FAILED)
+
+
+def _derived_triggers(entry: Registered, config: Config, url: str | None) -> list[str]:
+    """For a derived table's job, its triggers that disagree with its declaration."""
+    if entry.derived is None:
+        return []
+    from ..database import engine_for
+    from ..derived import read_plan
+
+    with engine_for(url, call_timeout=config.call_timeout.total_seconds()) as engine:
+        plan = read_plan(engine, [entry.derived], config.schema)
+    own = entry.derived.queue_name
+    # left-over triggers of other declarations are not this one's business
+    return replace(plan, orphans=tuple(t for t in plan.orphans if t.job == own)).lines()
 
 
 __all__ = [

@@ -9,11 +9,11 @@ from typing import Any
 
 import click
 
-from ..config import load_config
 from .base import (
     _common,
     _errors,
     _given,
+    _load,
     _logging,
     _verbosity,
     cli,
@@ -52,25 +52,60 @@ def migrate(
     lock_timeout: str,
     retry_for: str,
 ) -> None:
-    """Apply the migrations pgjobs' schema lacks, and say which.
+    """Apply the migrations pgjobs' schema lacks, and say which; then make the
+    derived tables' triggers agree with the declarations ([derived.NAME]):
+    install what is missing or stale, drop what no declaration wants.
 
-    --check exits 1 naming the pending migrations, 0 when the schema is
-    current (a deploy gate). --sql prints their SQL, schema name filled in,
-    for psql -v ON_ERROR_STOP=1 --single-transaction or a migration tool;
-    the schema it installs is recognised as current. docs/upgrades.md.
+    --check exits 1 naming the pending migrations and the triggers that
+    disagree, 0 when all is current (a deploy gate). --sql prints their
+    SQL, schema name filled in, for psql -v ON_ERROR_STOP=1
+    --single-transaction or a migration tool; the schema it installs is
+    recognised as current. A declaration that does not fit the database
+    (a missing table or column, a mapping SQL that fails, a table the SQL
+    reads that is not a source) exits 2 and installs nothing of the
+    triggers. docs/upgrades.md, docs/how-to/derived.md.
     """
     from ..database import engine_for
+    from ..derived import check_declared, install_triggers, plan_triggers
+    from ..derived import script as trigger_script
     from ..migrations import MigrateSettings, command
 
     if check and as_sql:
         raise click.UsageError("--check and --sql: choose one")
     with _errors(), _logging(verbose, logging.INFO):
-        config = load_config(_given("config_path", config_path))
+        config, registry, url = _load(config_path, database)
+        declared = registry.derived()
         settings = MigrateSettings(lock_timeout=lock_timeout, retry_for=retry_for)
-        url = config.database_url(_given("database", database))
         bound = config.call_timeout.total_seconds()
         with engine_for(url, call_timeout=bound) as engine, engine.connect() as conn:
+            if declared:
+                # refuse bad declarations before anything is applied
+                check_declared(conn, declared)
             code, text = command(conn, config.schema, check=check, as_sql=as_sql, settings=settings)
+            if as_sql:
+                text += trigger_script(conn, declared, config.schema)
+            elif check:
+                with conn.begin():
+                    found = plan_triggers(conn, declared, config.schema)
+                if not found.agrees:
+                    code = max(code, 1)
+                    text += "\n" + "\n".join(found.lines())
+                    text += "\n(`pgjobs migrate` makes the triggers agree)"
+                elif declared:
+                    text += "\nthe derived tables' triggers agree with the declarations"
+            elif code == 0:
+                done = install_triggers(
+                    conn, declared, config.schema, settings=settings, check=False
+                )
+                if done.statements:
+                    text += "\n" + "\n".join(
+                        line.replace(" missing:", " installed:")
+                        .replace(" stale (other SQL or disabled):", " updated:")
+                        .replace(" left over (no declaration wants it):", " dropped:")
+                        for line in done.lines()
+                    )
+                elif declared:
+                    text += "\nthe derived tables' triggers agree with the declarations"
         click.echo(text, nl=not text.endswith("\n"))
         sys.exit(code)
 
