@@ -134,7 +134,7 @@ def test_a_config_job_with_a_plugins_name_is_refused_naming_both(tmp_path: Path)
             def pgjobs_register_jobs(register):
                 register("scores")
             """,
-            "registered 'scores': expected a pgjobs.RecomputeJob, QueueJob or TaskJob",
+            "registered 'scores': expected a pgjobs.RecomputeJob, QueueJob, TaskJob or Derived",
         ),
         (
             """
