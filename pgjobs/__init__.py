@@ -11,7 +11,15 @@ from .config import Config, load_config
 from .derived import Derived, Source
 from .drift import CheckResult, Sample
 from .durations import parse_duration
-from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
+from .errors import (
+    ConfigError,
+    JobError,
+    MigrationError,
+    PgJobsError,
+    PluginError,
+    SchemaError,
+    ScopeError,
+)
 from .hookspecs import hookimpl
 from .jobs import Job, Locks, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
 from .lifecycle import lifespan
@@ -56,6 +64,7 @@ __all__ = [
     "Sample",
     "Scheduler",
     "SchemaError",
+    "ScopeError",
     "Source",
     "TaskJob",
     "check",

@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "listener",
             "flow",
             "heartbeat",
+            "scoping",
         },
     ),
     ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
