@@ -100,7 +100,7 @@ def test_the_issue_form_makes_two_jobs_per_declaration(tmp_path: Path) -> None:
     assert isinstance(queue, pgjobs.QueueJob)
     assert (queue.scope, queue.group) == (("exam_id",), score.group)
     assert isinstance(queue.compute, str)
-    assert SCORE_SQL in queue.compute and "= any(:keys)" in queue.compute
+    assert SCORE_SQL in queue.compute and "pgjobs_keys" in queue.compute
     assert registry.entry("exam_rank:queue").derived == registry.derived()[1]
 
 
@@ -491,6 +491,11 @@ def test_the_completeness_check_names_what_the_sql_reads(engine: Engine, tmp_pat
             "derived.exam_score.sql: its output lacks the scope's column(s) exam_id",
         ),
         (("sum(a.points) as score", "sum(a.points) as points"), "derived.exam_score.sql:"),
+        (
+            ("partition by exam_id order by", "order by"),
+            "derived.exam_rank.sql: the queue job's compute (this SQL restricted to a batch's"
+            " keys) would compute every key",
+        ),
     ],
 )
 def test_bad_input_against_the_database_installs_nothing(

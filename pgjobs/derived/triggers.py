@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..migrations import DEFAULT_SETTINGS, MigrateSettings, lock_key, retrying
 from ..queue import TRIGGER_EVENTS, TRUNCATE_EVENT, trigger_name, trigger_statements
 from .declare import Derived, Source, chain_order, table_name
+from .keyed import check_keyed
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +386,7 @@ def _check_one(conn: Connection, raw: psycopg.Connection[Any], derived: Derived)
             check_coverage(target, check_sql(conn, target, derived.sql), recompute.columns, "SQL")
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}, got {derived.sql!r}") from None
+    check_keyed(conn, derived.sql, derived.scope, where=key)
     _check_complete(conn, raw, derived, sources)
 
 
