@@ -65,6 +65,7 @@ from ._pg import first_line, unavailable
 from .checks import check_jobs
 from .database import transaction_pooling
 from .deadline import DEFAULT_CALL_TIMEOUT
+from .derived.declare import upstream_of
 from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
 from .firing import (
@@ -198,11 +199,31 @@ class Scheduler:
         self._wake_lock = threading.Lock()
         self._pool: WakePool | None = None
         self._outage = Outage()
+        #: chains of derived tables: the recomputes to run right after each
+        #: tick of a recompute (those of the tables that read its table), and
+        #: the recomputes each one waits for
+        self._after, self._before = self._chain_links()
         #: the listener, while the scheduler runs and listens
         self.listener: Listener | None = None
         self._lock = threading.Lock()
         self._aps: BackgroundScheduler | None = None
         self._stopping = threading.Event()
+
+    def _chain_links(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """A chain of derived tables recomputes in dependency order: a
+        derived table's recompute runs right after each tick of the
+        recomputes of the tables it reads (its own schedule still decides
+        whether it is due), never at the same time as one of them, and its
+        first tick waits for theirs."""
+        after: dict[str, list[str]] = {}
+        before: dict[str, list[str]] = {}
+        declared = self.registry.derived()
+        for derived in declared:
+            for upstream in upstream_of(derived, declared):
+                if derived.name in self.jobs and upstream.name in self.jobs:
+                    after.setdefault(upstream.name, []).append(derived.name)
+                    before.setdefault(derived.name, []).append(upstream.name)
+        return after, before
 
     def _make_triggers(self) -> dict[str, Any]:
         """Each job's APScheduler trigger: its cron (in its time zone, else
@@ -318,7 +339,8 @@ class Scheduler:
         now), the verifications, the prune, the workers' records."""
         now = datetime.now(self.timezone)
         for name, job in self.jobs.items():
-            first = now if job.interval is not None else None
+            # a derived table's recompute that reads another's ticks first after it
+            first = now if job.interval is not None and name not in self._before else None
             options: dict[str, Any] = {"next_run_time": first} if first is not None else {}
             aps.add_job(
                 self._fire,
@@ -522,6 +544,10 @@ class Scheduler:
                     self._work(name, index, slot)
                 finally:
                     slot.running.release()
+                # (after the release: the recomputes that read this one's
+                # table wait while it runs)
+                for downstream in self._after.get(name, ()):
+                    self._call(downstream, 0)
                 # a wake-up between the last look and the release: nobody else saw it
                 with self._wake_lock:
                     if not slot.again:
@@ -544,6 +570,8 @@ class Scheduler:
         while not self._stopping.is_set():
             with self._wake_lock:
                 woken, slot.again = woken or slot.again, False
+            if any(self._slots[u][0].running.locked() for u in self._before.get(name, ())):
+                return  # a recompute it reads is running: that one calls it when done
             result = self._tick(job, progress, woken=woken)
             if result is None:
                 return

@@ -9,6 +9,7 @@ triggers on a real PostgreSQL.
 from __future__ import annotations
 
 import textwrap
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -563,3 +564,32 @@ def test_migrate_check_after_a_declaration_changed(
             "select tgrelid::regclass::text from pg_trigger where not tgisinternal"
         ).fetchall()
     assert {n[0] for n in names} == {"submission", "answer"}
+
+
+def test_a_chain_recomputes_in_dependency_order_under_the_scheduler(
+    exams: tuple[Engine, Registry],
+) -> None:
+    engine, registry = exams
+    seed(engine)
+    clear(engine)  # only the recomputes fill the tables
+    results: list[pgjobs.RunResult] = []
+    ranked = threading.Event()
+
+    def on_result(result: pgjobs.RunResult) -> None:
+        if result.job in ("exam_score", "exam_rank"):
+            results.append(result)
+            if result.job == "exam_rank" and result.outcome is pgjobs.Outcome.RAN:
+                ranked.set()
+
+    with pgjobs.Scheduler(registry, engine, on_result=on_result, heartbeat_every="1h"):
+        assert ranked.wait(30), [(r.job, r.outcome) for r in results]
+    score = next(r for r in results if r.job == "exam_score")
+    rank = next(r for r in results if r.job == "exam_rank")
+    assert score.outcome is pgjobs.Outcome.RAN and score.stats.inserted == 4
+    assert rank.started_at >= score.finished_at  # the rank read the scores written
+    # (the rank's rows were written by it, or just before by its queue job:
+    # the scores' recompute enqueued their keys through the triggers)
+    assert rank.stats.deleted == rank.stats.skipped_missing_parent == 0
+    drain(engine, registry)
+    score_rows, fresh_score, rank_rows, fresh_rank = from_scratch(engine)
+    assert score_rows == fresh_score and rank_rows == fresh_rank
