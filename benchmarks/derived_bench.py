@@ -331,12 +331,11 @@ def users_under_run(url: str, args: argparse.Namespace) -> None:
     subprocess.run(
         [sys.executable, "-m", "pgjobs.cli", "migrate"], env=env, check=True, capture_output=True
     )
-    run = subprocess.Popen(
-        [sys.executable, "-m", "pgjobs.cli", "run"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    log = path.parent / "run.log"  # a file: an unread pipe fills up and stops the process
+    with log.open("wb") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "pgjobs.cli", "run"], env=env, stdout=out, stderr=out
+        )
     try:
         with psycopg.connect(url, autocommit=True) as pg:
             for _ in range(600):  # the first fill: both recomputes ran once
@@ -410,6 +409,7 @@ def users_under_run(url: str, args: argparse.Namespace) -> None:
     )
     print(f"queues {drained}; dead items: {dead[0] if dead else '?'}; elapsed {elapsed:.0f} s")
     print("runs (ran, failed): " + ", ".join(f"{j} {r}/{f}" for j, r, f in runs))
+    print(f"(pgjobs run's log: {log})")
     assert rows is not None and wrong_score is not None and wrong_rank is not None
     print(
         f"after draining, no extra recompute: exam_score {rows[0]:,} rows, {wrong_score[0]} differ"
