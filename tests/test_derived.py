@@ -455,6 +455,11 @@ def test_the_completeness_check_names_what_the_sql_reads(engine: Engine, tmp_pat
             ).scalar_one()
             == 0
         )
+    # the pre-flight check of `pgjobs once` (and run) reports it too
+    url = engine.url.render_as_string(hide_password=False)
+    once = invoke("--config", str(write(tmp_path, text)), "--database", url, "once", "exam_score")
+    assert once.exit_code == 2
+    assert "the SQL reads public.exam (from its plan)" in once.output
     static = text.replace('every = "1h"\n', 'every = "1h"\nstatic = ["exam"]\n', 1)
     pgjobs.install(engine, derived=declared(tmp_path, static))
 
