@@ -133,6 +133,16 @@ def test_the_python_form_registers_the_same_jobs(tmp_path: Path) -> None:
     registry = Registry.from_jobs([derived])
     assert sorted(j.name for j in registry.jobs()) == ["exam_score", "exam_score:queue"]
 
+    class Plugin:
+        @staticmethod
+        @pgjobs.hookimpl
+        def pgjobs_register_jobs(register: Any) -> None:
+            register(derived)
+
+    loaded = Registry.load(plugins=[Plugin], entry_points=False)
+    assert loaded.derived() == [derived]
+    assert loaded.owner("exam_score:queue") == loaded.owner("exam_score")
+
 
 @pytest.mark.parametrize(
     ("change", "expected"),
@@ -474,6 +484,11 @@ def test_the_completeness_check_names_what_the_sql_reads(engine: Engine, tmp_pat
         (
             ('submission = ["exam_id"]', 'submission = ["exam"]'),
             "derived.exam_score.sources.submission: 'submission' has no column(s) exam",
+        ),
+        (
+            ("from submission s where", "from submissions s where"),
+            "derived.exam_score.sources.answer: the mapping SQL fails: relation"
+            ' "submissions" does not exist',
         ),
         (
             ("s.submission_id = answer.submission_id", "s.submission_id = answer.nope"),
