@@ -3,6 +3,7 @@ duplicates, group conflicts, and checks against a real database."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import textwrap
@@ -318,6 +319,16 @@ def test_the_argument_wins_over_the_environment_and_the_file(
     assert {j.name for j in scheduler.registry.jobs()} == {"mine", "b"}
     with pytest.raises(pgjobs.ConfigError, match="entry_points: expected a list"):
         pgjobs.Scheduler.from_config(path, database=engine, entry_points="fake-a")
+    with pytest.raises(pgjobs.ConfigError, match="a registry or entry_points, not both"):
+        pgjobs.Scheduler.from_config(
+            path, database=engine, registry=Registry.from_jobs([]), entry_points=[]
+        )
+
+    async def app_lifespan() -> set[str]:
+        async with pgjobs.lifespan(path, database=engine, entry_points=["fake-b"]) as state:
+            return {j.name for j in state["pgjobs"].registry.jobs()}
+
+    assert asyncio.run(app_lifespan()) == {"mine", "b"}
 
 
 def test_load_plugins_accepts_a_module_of_the_config(
