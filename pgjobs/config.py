@@ -241,6 +241,14 @@ class Config:
     overrides: Mapping[str, JobOverride] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.entry_points is not None and (
+            isinstance(self.entry_points, str)
+            or not all(isinstance(n, str) and n for n in self.entry_points)
+        ):
+            raise ConfigError(
+                f"{self.source}: entry_points: expected a list of installed plugins' "
+                f"entry-point or distribution names, got {self.entry_points!r}"
+            )
         for name in ("namespace", "schema"):
             try:
                 check_text(getattr(self, name), name)

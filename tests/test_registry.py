@@ -356,6 +356,8 @@ def test_an_unknown_name_in_entry_points_names_the_file_and_the_key(
     path.write_text('entry_points = "fake-a"\n')
     with pytest.raises(pgjobs.ConfigError, match=r"pgjobs.toml: entry_points: expected a list"):
         load_config(path)
+    with pytest.raises(pgjobs.ConfigError, match=r"entry_points: expected a list.*'fake-a'"):
+        Config(entry_points="fake-a")  # type: ignore[arg-type]  # an embedder's mistake
 
 
 def test_an_application_does_not_load_another_applications_installed_plugin(
