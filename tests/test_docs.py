@@ -147,8 +147,12 @@ def test_getting_started_works_as_written(env_db: str, tmp_path: Path) -> None:
 _FILE = re.compile(r"^(?:#|--) ((?:exams-plugin|exams-app)/\S+?):?(?:\s|$)")
 
 
+def _page_text(name: str) -> str:
+    return (DOCS / "how-to" / name).read_text(encoding="utf-8")
+
+
 def _how_to(name: str) -> list[tuple[str, str]]:
-    return _blocks((DOCS / "how-to" / name).read_text(encoding="utf-8"))
+    return _blocks(_page_text(name))
 
 
 def _write_files(page: str, root: Path) -> list[str]:
@@ -276,15 +280,14 @@ def test_the_plugin_page_works_as_written(exams_plugin: tuple[Path, Path], env_d
             scores = conn.execute(text("select * from exam_score order by 1, 2")).all()
         assert [tuple(r) for r in scores] == [(1, 100, 7), (1, 101, 5), (2, 100, 2)]
         (enqueue,) = [t for lang, t in _how_to("plugin.md") if "pgjobs.enqueue(conn" in t]
-        app = (
-            "import pgjobs\nfrom sqlalchemy import create_engine, text\n"
-            f"engine = create_engine({normalize_url(env_db)!r})\n" + enqueue
-        )
+        app = enqueue.replace('"postgresql+psycopg://localhost/app"', repr(normalize_url(env_db)))
+        assert app != enqueue
         ran = subprocess.run(
             [sys.executable, "-c", app], env=env, capture_output=True, text=True, timeout=60
         )
         assert ran.returncode == 0, ran.stderr
-        _pgjobs("pgjobs once exam-worker", root, env)
+        (once,) = re.findall(r"`(pgjobs once exam-worker)`", _page_text("plugin.md"))
+        _pgjobs(once, root, env)
         with engine.connect() as conn:
             score = conn.execute(
                 text("select score from exam_score where exam_id = 1 and student_id = 100")
@@ -397,8 +400,7 @@ def test_the_fastapi_page_works_as_written(exams_plugin: tuple[Path, Path], env_
     try:
         app = _exams_app(root, engine)
         assert _write_files("fastapi.md", root) == ["exams-app/app.py"]
-        page = (DOCS / "how-to" / "fastapi.md").read_text(encoding="utf-8")
-        setup = re.search(r"`(insert into exam .*?)`", page, flags=re.S)
+        setup = re.search(r"`(insert into exam .*?)`", _page_text("fastapi.md"), flags=re.S)
         assert setup is not None
         run_sql(engine, setup.group(1).replace("\n", " "))
         run_sql(engine, (app / "summary.sql").read_text(encoding="utf-8"))
