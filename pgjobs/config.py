@@ -22,6 +22,10 @@
     sql_file = "sql/daily_totals.sql"       # relative to this file (or: sql = "select ...")
     every = "10m"
 
+A ``[derived.NAME]`` table declares a derived table once (its target,
+scope, SQL and sources: :class:`~pgjobs.Derived`, ``docs/how-to/derived.md``);
+pgjobs makes its jobs and its sources' triggers of it.
+
 A table under ``[jobs]`` *with* ``kind`` declares a job (``recompute``,
 ``queue`` or ``task``); one *without* overrides a job some plugin registers.
 Both take the same settings (:data:`SETTINGS`, each for the kinds it fits),

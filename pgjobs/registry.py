@@ -10,9 +10,11 @@ load); (3) imports the config file's
 ``plugins`` modules, then any plugin objects passed in; (4) refuses hooks
 with no spec (``check_pending()``); (5) runs each plugin's
 ``pgjobs_register_jobs(register)``; (6) adds the config file's jobs and
-applies its overrides; (7) refuses jobs that write one table from
-different groups. A plugin that fails while loading or registering is a
-:class:`~pgjobs.PluginError` naming it.
+applies its overrides (a derived table, ``[derived.NAME]`` or a
+:class:`~pgjobs.Derived` a plugin registers, is its two jobs, each
+remembering it); (7) refuses jobs that write one table from different
+groups, and a cycle among derived tables. A plugin that fails while
+loading or registering is a :class:`~pgjobs.PluginError` naming it.
 
 Each step's reasons: ``docs/DESIGN.md``, "Config and plugins".
 """

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..durations import Duration
 from ..errors import ConfigError
 from ..jobs import (
     Job,
@@ -181,7 +182,7 @@ class Derived:
     scope: tuple[str, ...]
     sql: str
     sources: Mapping[str, Any] | tuple[Source, ...]
-    every: Any = "1h"
+    every: Duration | None = "1h"
     static: tuple[str, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
     #: where it was declared, for error messages (the config file)
