@@ -58,6 +58,10 @@ SETTINGS_FOR: dict[str, tuple[str, ...]] = {
     "max_attempts": ("queue",),
     "item_backoff": ("queue",),
 }
+#: what only the Python form takes (callables stay in Python): the queue
+#: job's ``after(conn, keys, stats)``, called in each batch's transaction
+#: once its rows are written
+PYTHON_SETTINGS: dict[str, tuple[str, ...]] = {"after": ("queue",)}
 
 
 def _sql_text(value: object, field: str) -> str:
@@ -157,7 +161,8 @@ class Derived:
     tables the SQL reads whose changes need no capture (the completeness
     check reports any other table the SQL's plan reads); ``settings``: any
     other job setting, as in ``[jobs.NAME]`` (``batch_size``, ``backoff``,
-    ``lock_timeout``, ``group``, ...). ``pgjobs.toml``'s ``[derived.NAME]``
+    ``lock_timeout``, ``group``, ...), and, in Python only, the queue job's
+    ``after``. ``pgjobs.toml``'s ``[derived.NAME]``
     builds the same object::
 
         pgjobs.Derived(
@@ -202,10 +207,11 @@ class Derived:
             object.__setattr__(self, "static", static)
             if not isinstance(self.settings, Mapping):
                 raise ConfigError(f"settings: expected a mapping, got {self.settings!r}")
+            known = {**SETTINGS_FOR, **PYTHON_SETTINGS}
             for name in self.settings:
-                if name not in SETTINGS_FOR:
+                if name not in known:
                     raise ConfigError(
-                        f"{name}: unknown setting (expected one of: {', '.join(SETTINGS_FOR)}), "
+                        f"{name}: unknown setting (expected one of: {', '.join(known)}), "
                         f"got {self.settings[name]!r}"
                     )
             object.__setattr__(self, "settings", dict(self.settings))
@@ -275,7 +281,7 @@ class Derived:
             "compute": keyed_sql(self.sql, self.scope),
         }
         for name, value in self.settings.items():
-            for kind in SETTINGS_FOR[name]:
+            for kind in {**SETTINGS_FOR, **PYTHON_SETTINGS}[name]:
                 (recompute if kind == "recompute" else queue)[name] = value
         try:
             return RecomputeJob(**recompute), QueueJob(**queue)
@@ -336,6 +342,7 @@ def is_derived_job(job: Job, declared: Iterable[Derived]) -> bool:
 
 
 __all__ = [
+    "PYTHON_SETTINGS",
     "QUEUE_SUFFIX",
     "SETTINGS_FOR",
     "Derived",

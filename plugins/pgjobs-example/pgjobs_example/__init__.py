@@ -1,12 +1,13 @@
 """pgjobs-example: a first-party pgjobs plugin.
 
-It registers ``example-expire-sessions``, a :class:`pgjobs.TaskJob` that
-deletes expired rows of ``example_session``, and a derived table kept two
-ways, as pgjobs is meant to be used: ``example_user_sessions`` (sessions per
-user) maintained by a queue worker (:data:`COUNT_WORKER`, fed by an enqueue
-trigger on ``example_session``) and recomputed now and then
-(:data:`RECOUNT`). The plugin's tests assert with
-:func:`pgjobs.testing.assert_no_drift` that both paths agree.
+It registers a derived table declared once, :data:`USER_SESSIONS`:
+``example_user_sessions`` (sessions per user), one SQL text and its
+source; pgjobs keeps it by a queue job (:data:`COUNT_WORKER`, fed by the
+triggers ``pgjobs migrate`` puts on ``example_session``) and a recompute
+now and then (:data:`RECOUNT`). The plugin's tests assert with
+:func:`pgjobs.testing.assert_no_drift` that both paths agree. And
+``example-expire-sessions``, a :class:`pgjobs.TaskJob` that deletes expired
+rows of ``example_session``.
 
 The expiry job:
 
@@ -88,14 +89,10 @@ COUNTS_DDL = (
     " refreshed_at timestamptz not null)",
 )
 
-#: the full computation (the recompute's), and the same for some users (the worker's)
+#: the whole table, the one SQL text of the declaration below
 COUNTS = (
     "select user_name, count(*)::int as sessions, max(expires_at) as last_expires_at"
     " from example_session group by user_name"
-)
-COUNTS_FOR_USERS = (
-    "select user_name, count(*)::int as sessions, max(expires_at) as last_expires_at"
-    " from example_session where user_name = any(:keys) group by user_name"
 )
 
 _MARK_REFRESHED = text(
@@ -117,42 +114,43 @@ def mark_refreshed(conn: Connection, keys: list[tuple[str]], stats: pgjobs.DiffS
     conn.execute(_MARK_REFRESHED, {"users": users})
 
 
-COUNT_WORKER = pgjobs.QueueJob(
+#: the derived table declared once: its whole contents (:data:`COUNTS`) and
+#: its source. pgjobs makes of it the recompute ``example-user-sessions``
+#: and the queue job ``example-user-sessions:queue`` (the same SQL for the
+#: batch's users), and ``pgjobs migrate`` puts triggers on
+#: ``example_session`` that enqueue the users whose sessions change, in the
+#: changing transaction: the application never enqueues.
+USER_SESSIONS = pgjobs.Derived(
     name="example-user-sessions",
-    group="example-user-sessions",
     target="example_user_sessions",
     scope=("user_name",),
-    compute=COUNTS_FOR_USERS,
-    after=mark_refreshed,
-    every="30s",
-    description="Sessions per user, for the users whose sessions changed.",
+    sql=COUNTS,
+    every="1h",
+    sources={"example_session": ["user_name"]},
+    settings={
+        "group": "example-user-sessions",
+        "verify_every": "10m",  # the recompute checks for drift every 10 minutes
+        "after": mark_refreshed,  # the queue job's, after each batch's rows
+        "description": "Sessions per user.",
+    },
 )
 
-RECOUNT = pgjobs.RecomputeJob(
-    name="example-user-sessions-recount",
-    group="example-user-sessions",
-    target="example_user_sessions",
-    compute=COUNTS,
-    every="1h",
-    verify_every="10m",
-    description="Sessions per user, recomputed; checked for drift every 10 minutes.",
-)
+#: its two jobs, for tests and for :func:`pgjobs.testing.assert_no_drift`
+RECOUNT, COUNT_WORKER = USER_SESSIONS.jobs()
 
 
 def install_counts(conn: Connection) -> None:
-    """Create ``example_user_sessions`` and the trigger that enqueues the
-    users whose sessions change (pgjobs' tables must be installed:
-    :func:`pgjobs.install`)."""
+    """Create ``example_user_sessions`` and ``example_user_refresh`` (inside
+    the caller's transaction). The triggers on ``example_session`` come with
+    ``pgjobs migrate`` (or ``pgjobs.install(engine, derived=[USER_SESSIONS])``),
+    which checks the declaration against the tables first."""
     for statement in COUNTS_DDL:
         conn.execute(text(statement))
-    pgjobs.install_enqueue_trigger(
-        conn, table="example_session", job=COUNT_WORKER, columns=("user_name",)
-    )
 
 
 @pgjobs.hookimpl
-def pgjobs_register_jobs(register: Callable[[pgjobs.Job], None]) -> None:
-    """Register :data:`JOB`, :data:`COUNT_WORKER` and :data:`RECOUNT` with pgjobs."""
+def pgjobs_register_jobs(register: Callable[[pgjobs.Job | pgjobs.Derived], None]) -> None:
+    """Register :data:`JOB` and the derived table :data:`USER_SESSIONS` (its
+    two jobs) with pgjobs."""
     register(JOB)
-    register(COUNT_WORKER)
-    register(RECOUNT)
+    register(USER_SESSIONS)

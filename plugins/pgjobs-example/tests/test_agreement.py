@@ -17,14 +17,11 @@ from pgjobs.testing import assert_no_drift, run_tick
 
 
 def _setup(engine: Engine, *, trigger: bool) -> None:
-    pgjobs.install(engine)
     with engine.begin() as conn:
         pgjobs_example.install(conn)
-        if trigger:
-            pgjobs_example.install_counts(conn)
-        else:
-            for statement in pgjobs_example.COUNTS_DDL:
-                conn.execute(text(statement))
+        pgjobs_example.install_counts(conn)
+    # the triggers on example_session, as `pgjobs migrate` installs them
+    pgjobs.install(engine, derived=[pgjobs_example.USER_SESSIONS] if trigger else [])
 
 
 def _scenario(engine: Engine, *, enqueue_new_owner_only: bool = False) -> None:
