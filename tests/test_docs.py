@@ -57,14 +57,71 @@ def _blocks(page: str) -> list[tuple[str, str]]:
     return re.findall(r"^```(\w*)\n(.*?)^```", page, flags=re.M | re.S)
 
 
+def test_getting_started_declared_works_as_written(env_db: str, tmp_path: Path) -> None:
+    """The page's first way, a derived table declared in pgjobs.toml alone:
+    ``pgjobs migrate``, the first fill with ``pgjobs once``, then ``pgjobs
+    run`` woken by the page's plain SQL insert (no enqueue anywhere)."""
+    page = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    blocks = _blocks(page)
+    (schema,) = [t for lang, t in blocks if lang == "sql"]
+    (toml,) = [t for lang, t in blocks if lang == "toml" and "[derived." in t]
+    (steps,) = [t for lang, t in blocks if lang == "sh" and t.startswith("pgjobs migrate")]
+    (write,) = [t for lang, t in blocks if lang == "sh" and t.startswith("psql ")]
+    (tmp_path / "pgjobs.toml").write_text(toml)
+    engine = create_engine(env_db)
+    try:
+        run_sql(engine, schema)
+        run_sql(engine, "insert into post values (1, 'first'), (2, 'second')")
+        env = {**os.environ, "PGJOBS_DATABASE_URL": env_db}
+        command = [sys.executable, "-m", "pgjobs.cli"]
+        for line in steps.splitlines():
+            words = line.split("#")[0].split()[1:]
+            if words == ["run"]:
+                continue  # below, in the background
+            done = subprocess.run(
+                [*command, *words],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, (words, done.stdout, done.stderr)
+            if words == ["list"]:
+                assert "post_score:queue" in done.stdout
+        with engine.connect() as conn:
+            rows = conn.execute(text("select * from post_score order by 1")).all()
+        assert [tuple(r) for r in rows] == [(1, 0, 0), (2, 0, 0)]
+        run = subprocess.Popen(
+            [*command, "run"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            _wait(
+                engine,
+                "select exists (select from pg_stat_activity"
+                " where datname = current_database() and query like 'listen %')",
+            )
+            (statement,) = re.findall(r'-c "(.*)"', write)
+            run_sql(engine, statement)  # plain SQL: the trigger enqueues
+            _wait(engine, "select score = 1 and votes = 1 from post_score where post_id = 1")
+        finally:
+            run.terminate()
+            _, err = run.communicate(timeout=30)
+        assert run.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        engine.dispose()
+
+
 def test_getting_started_works_as_written(env_db: str, tmp_path: Path) -> None:
-    """The page's tables, jobs and config, used as they stand: the first fill
-    with ``pgjobs once``, then ``pgjobs run`` woken by the page's enqueue."""
+    """The page's second way, explicit jobs: the tables, jobs and config, used
+    as they stand: the first fill with ``pgjobs once``, then ``pgjobs run``
+    woken by the page's enqueue."""
     page = (DOCS / "getting-started.md").read_text(encoding="utf-8")
     blocks = _blocks(page)
     (schema,) = [t for lang, t in blocks if lang == "sql"]
     (jobs,) = [t for lang, t in blocks if lang == "python" and t.startswith("# myjobs.py")]
-    (toml,) = [t for lang, t in blocks if lang == "toml" and t.startswith("# pgjobs.toml")]
+    (toml,) = [t for lang, t in blocks if lang == "toml" and "plugins = " in t]
     (enqueue,) = [t for lang, t in blocks if lang == "python" and "pgjobs.enqueue(" in t]
     (tmp_path / "myjobs.py").write_text(jobs)
     (tmp_path / "pgjobs.toml").write_text(toml)
