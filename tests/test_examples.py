@@ -233,3 +233,33 @@ def test_config_only_recompute_runs_from_toml_and_sql(
     assert _query(db_url, "select * from customer_total order by 1") == _query(
         db_url, (folder / "customer_totals.sql").read_text() + " order by 1"
     )
+
+
+def test_exams_declared_once_from_toml_alone(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/exams/declared.toml, as its README runs it: migrate, the
+    first fill, then a plain SQL update that enqueues through the trigger."""
+    folder = EXAMPLES / "exams"
+    _apply(db_url, folder / "schema.sql")
+    monkeypatch.chdir(folder)
+    runner = CliRunner()
+    args = ["--config", "declared.toml", "--database", db_url]
+    migrated = runner.invoke(cli, [*args, "migrate"])
+    assert migrated.exit_code == 0, migrated.output
+    assert "trigger on public.exam installed" in migrated.output
+    first = runner.invoke(cli, [*args, "once", "exam_score"])
+    assert first.exit_code == 0, first.output
+    assert "inserted 5,000" in first.output
+    with psycopg.connect(_libpq(normalize_url(db_url)), autocommit=True) as conn:
+        conn.execute("update exam set weight = 9 where id = 42")  # no enqueue: the trigger's
+    registry = pgjobs.Registry.load(pgjobs.load_config("declared.toml"), entry_points=False)
+    with pgjobs.Runner(db_url, namespace="exams-example") as r:
+        result = r.tick(registry.get("exam_score:queue"), force=True)
+    assert result.outcome is pgjobs.Outcome.RAN, result.error
+    assert (result.items, result.stats.updated, result.stats.inserted) == (1, 5, 0)
+    scores = (folder / "declared.toml").read_text().split('sql = """')[1].split('"""')[0]
+    drift = _query(
+        db_url,
+        "select count(*) from ((table exam_score except all " + scores + ")"
+        " union all (" + scores + " except all table exam_score)) d",
+    )
+    assert drift == [(0,)]
