@@ -656,3 +656,39 @@ def test_the_how_to_works_as_written(engine: Engine, tmp_path: Path, db_url: str
             want = conn.exec_driver_sql(f"select * from ({fresh}) q order by 1, 2").fetchall()
             assert got == want, name
         assert conn.exec_driver_sql("select count(*) from pgjobs.queue").scalar_one() == 0
+
+
+def test_installing_waits_for_a_users_write_at_most_lock_timeout(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """CREATE TRIGGER queues behind a user's open write to the table (and
+    users' writes would queue behind it): the install waits at most
+    lock_timeout per attempt, retries, gives up naming the lock, and leaves
+    nothing installed; once the user commits it goes through."""
+    from pgjobs.derived import install_triggers
+    from pgjobs.migrations import MigrateSettings
+
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    pgjobs.install(engine)
+    seed(engine)
+    derived = declared(tmp_path)
+    settings = MigrateSettings(lock_timeout="200ms", retry_for="600ms")
+    user = engine.connect()
+    user.begin()
+    user.exec_driver_sql("insert into answer values (99, 10, 1)")  # ROW EXCLUSIVE on answer
+    try:
+        with engine.connect() as conn, pytest.raises(pgjobs.MigrationError) as gave_up:
+            install_triggers(conn, derived, "pgjobs", settings=settings)
+        assert "installing the derived tables' triggers: a lock was not granted" in str(
+            gave_up.value
+        )
+        with engine.begin() as conn:  # one transaction: submission's were rolled back too
+            count = "select count(*) from pg_trigger where not tgisinternal"
+            assert conn.exec_driver_sql(count).scalar_one() == 0
+    finally:
+        user.commit()
+        user.close()
+    with engine.connect() as conn:
+        done = install_triggers(conn, derived, "pgjobs", settings=settings)
+    assert len(done.missing) == 12  # 4 events x (submission, answer, exam_score)

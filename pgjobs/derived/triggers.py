@@ -36,9 +36,12 @@ from psycopg import errors, sql
 from sqlalchemy.engine import Connection
 
 from .._pg import driver, error_text, qualified
+from ..deadline import DEFAULT_CALL_TIMEOUT, bound_of, bounded
 from ..errors import ConfigError
-from ..migrations import DEFAULT_SETTINGS, MigrateSettings, lock_key, retrying
+from ..migrations import DEFAULT_SETTINGS, MigrateSettings, install_bound, lock_key, retrying
 from ..queue import TRIGGER_EVENTS, TRUNCATE_EVENT, trigger_name, trigger_statements
+from ..staging import check_coverage, check_sql
+from ..target import reflect_target
 from .declare import Derived, Source, chain_order, table_name
 from .keyed import check_keyed
 
@@ -296,9 +299,6 @@ def _try(conn: Connection, key: str, value: object, what: str, query: sql.Compos
 
 
 def _check_one(conn: Connection, raw: psycopg.Connection[Any], derived: Derived) -> None:
-    from ..staging import check_coverage, check_sql
-    from ..target import reflect_target
-
     where = derived.where
     found = resolve(raw, derived.target)
     if found is None:
@@ -559,6 +559,10 @@ def install_triggers(
             raw.execute(
                 "select set_config('lock_timeout', %s, true)", (settings.millis("lock_timeout"),)
             )
+            raw.execute(
+                "select set_config('statement_timeout', %s, true)",
+                (settings.millis("statement_timeout"),),
+            )
             found = plan_triggers(conn, declared, schema)
             for statement_ in found.statements:
                 try:
@@ -570,7 +574,11 @@ def install_triggers(
                     ) from None
         return found
 
-    return retrying(attempt, "installing the derived tables' triggers", settings=settings)
+    # each round trip under the install deadline, as a migration's (the
+    # advisory lock may wait up to retry_for), not the bookkeeping one
+    call_timeout = bound_of(conn) or DEFAULT_CALL_TIMEOUT
+    with bounded(conn, install_bound(settings, call_timeout)):
+        return retrying(attempt, "installing the derived tables' triggers", settings=settings)
 
 
 def script(conn: Connection, declared: Sequence[Derived], schema: str) -> str:
