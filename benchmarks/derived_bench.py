@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -181,7 +182,12 @@ def writers_cost(url: str, args: argparse.Namespace) -> None:
         f" {args.reps} statements each way, interleaved; median ms per statement, to its commit"
     )
     print(
+        "ms: from the client, to the commit (A with the triggers, B without, A-B); on the"
+        " server (EXPLAIN ANALYZE, rolled back): B's execution, A's trigger alone"
+    )
+    print(
         f"{'source shape':24} {'statement':10} {'rows':>6} {'A trig':>8} {'B none':>8} {'A-B':>8}"
+        f"   {'B exec':>8} {'trigger':>8}"
     )
     with psycopg.connect(url, autocommit=True) as pg:
         for (shape, verb), (text, undo) in STATEMENTS.items():
@@ -204,7 +210,40 @@ def writers_cost(url: str, args: argparse.Namespace) -> None:
                         pg.execute("delete from pgjobs.queue")
                 a = statistics.median(times["with_triggers"])
                 b = statistics.median(times["without"])
-                print(f"{shape:24} {verb:10} {rows:>6} {a:8.2f} {b:8.2f} {a - b:8.2f}")
+                server = _server_side(pg, text, rows, sizes, args.reps)
+                print(
+                    f"{shape:24} {verb:10} {rows:>6} {a:8.2f} {b:8.2f} {a - b:8.2f}"
+                    f"   {server[0]:8.2f} {server[1]:8.2f}"
+                )
+
+
+def _server_side(
+    pg: psycopg.Connection[Any], text: str, rows: int, sizes: dict[str, int], reps: int
+) -> tuple[float, float]:
+    """The server's own times, under less noise than a client's round trip
+    and commit: the statement's execution without triggers, and pgjobs'
+    trigger's time with them (``EXPLAIN ANALYZE``'s ``Trigger`` line, which
+    counts a statement-level trigger too), medians, each rolled back."""
+    plain: list[float] = []
+    trigger: list[float] = []
+    for _ in range(reps):
+        for schema in ("without", "with_triggers"):
+            statement = text.replace("%%", "%").format(s=schema, n=rows, **sizes)
+            with pg.transaction(force_rollback=True):
+                row = pg.execute("explain (analyze, format json) " + statement).fetchone()
+            assert row is not None
+            plan = row[0][0]
+            if schema == "without":
+                plain.append(float(plan["Execution Time"]))
+            else:
+                trigger.append(
+                    sum(
+                        float(t["Time"])
+                        for t in plan.get("Triggers", ())
+                        if t["Trigger Name"].startswith("pgjobs_")
+                    )
+                )
+    return statistics.median(plain), statistics.median(trigger)
 
 
 def _write_toml(url: str) -> Path:

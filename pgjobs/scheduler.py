@@ -65,6 +65,7 @@ from ._pg import first_line, unavailable
 from .checks import check_jobs
 from .database import transaction_pooling
 from .deadline import DEFAULT_CALL_TIMEOUT
+from .derived import check_declared, install_triggers
 from .derived.declare import upstream_of
 from .durations import Duration, format_duration, parse_duration
 from .errors import ConfigError
@@ -318,6 +319,8 @@ class Scheduler:
                     schema=self.runner.store.schema,
                 )
             self.runner.install()
+            if self.runner.store.auto_migrate:
+                self._install_derived()
             if self.check and not self.strict:
                 self.preflight.check(self.registry.entry(n) for n in self.jobs)
             self.heartbeat.start()
@@ -341,6 +344,29 @@ class Scheduler:
             log.info(
                 "pgjobs: scheduler started with %d job(s): %s", len(self.jobs), ", ".join(self.jobs)
             )
+
+    def _install_derived(self) -> None:
+        """With ``auto_migrate`` (as pgjobs' own schema at start), the
+        triggers of the derived tables this scheduler runs, made to agree
+        with their declarations as ``pgjobs migrate`` does; each declaration
+        checked first, one that fails left without triggers (its jobs are
+        set aside by their pre-flight check) and logged. Triggers of other
+        declarations are left alone (another process may run them)."""
+        declared = [d for d in self.registry.derived() if d.name in self.jobs]
+        if not declared:
+            return
+        fine = []
+        with self.runner.engine.connect() as conn:
+            for derived in declared:
+                try:
+                    check_declared(conn, [derived])
+                except ConfigError as exc:
+                    log.warning("pgjobs: %s: its triggers are not installed", exc)
+                    continue
+                fine.append(derived)
+            done = install_triggers(conn, fine, self.runner.store.schema, check=False, drop=False)
+        if done.statements:
+            log.info("pgjobs: derived tables' triggers made to agree: %s", "; ".join(done.lines()))
 
     def _add_entries(self, aps: BackgroundScheduler) -> None:
         """The APScheduler entries: each job's (an interval job's first tick

@@ -692,3 +692,36 @@ def test_installing_waits_for_a_users_write_at_most_lock_timeout(
     with engine.connect() as conn:
         done = install_triggers(conn, derived, "pgjobs", settings=settings)
     assert len(done.missing) == 12  # 4 events x (submission, answer, exam_score)
+
+
+def test_the_scheduler_installs_the_triggers_at_start(engine: Engine, tmp_path: Path) -> None:
+    """With auto_migrate (the default), as pgjobs' schema at start, the
+    scheduler makes its derived tables' triggers agree; a user's plain SQL
+    then reaches the table with no `pgjobs migrate` run."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    seed(engine)
+    registry = Registry.load(pgjobs.load_config(write(tmp_path, TOML)), entry_points=False)
+    written = threading.Event()
+
+    def on_result(result: pgjobs.RunResult) -> None:
+        if result.job == "exam_score:queue" and result.stats.updated:
+            written.set()
+
+    filled = threading.Event()
+
+    def on_fill(result: pgjobs.RunResult) -> None:
+        if result.job == "exam_rank" and result.outcome is pgjobs.Outcome.RAN:
+            filled.set()
+        on_result(result)
+
+    with pgjobs.Scheduler(registry, engine, on_result=on_fill, heartbeat_every="1h"):
+        with engine.begin() as conn:
+            assert plan_triggers(conn, registry.derived(), "pgjobs").agrees
+        assert filled.wait(30)  # the first fill of both levels
+        with engine.begin() as conn:
+            conn.exec_driver_sql("update answer set points = 40 where answer_id = 5")
+        assert written.wait(30)
+    with engine.begin() as conn:
+        score = conn.exec_driver_sql("select score from exam_score where exam_id = 3").scalar_one()
+    assert score == 40

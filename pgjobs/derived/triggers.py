@@ -479,11 +479,15 @@ def expected(raw: psycopg.Connection[Any], declared: Sequence[Derived]) -> list[
 
 
 def plan_triggers(
-    conn: Connection | psycopg.Connection[Any], declared: Sequence[Derived], schema: str
+    conn: Connection | psycopg.Connection[Any],
+    declared: Sequence[Derived],
+    schema: str,
+    *,
+    drop: bool = True,
 ) -> TriggerPlan:
     """The declarations' triggers against the installed ones, and the
     statements (drop, then create, per table and job; drop the left-over
-    ones) that make them agree. Reads only."""
+    ones, unless ``drop`` is off) that make them agree. Reads only."""
     raw = _raw(conn)
     wanted = expected(raw, declared)
     found = {t.key: t for t in installed(raw, schema)}
@@ -511,7 +515,7 @@ def plan_triggers(
                 events=EVENTS,
             )
         )
-    for t in orphans:
+    for t in orphans if drop else ():
         statements.append(
             sql.SQL("drop trigger if exists {} on {}").format(sql.Identifier(t.name), t.table.ident)
         )
@@ -536,12 +540,14 @@ def install_triggers(
     *,
     settings: MigrateSettings = DEFAULT_SETTINGS,
     check: bool = True,
+    drop: bool = True,
 ) -> TriggerPlan:
     """Make the installed triggers agree with ``declared``: check them
     (:func:`check_declared`, unless ``check`` is off), then, in one
     transaction under the migrations' advisory lock, each table lock
     waiting at most ``settings.lock_timeout`` (retried as migrations are),
-    create what is missing or stale and drop what no declaration wants.
+    create what is missing or stale and drop what no declaration wants
+    (unless ``drop`` is off: a scheduler that knows only some of them).
     Nothing is installed half: an error rolls all of it back. Returns the
     plan that was applied."""
     if check:
@@ -563,7 +569,7 @@ def install_triggers(
                 "select set_config('statement_timeout', %s, true)",
                 (settings.millis("statement_timeout"),),
             )
-            found = plan_triggers(conn, declared, schema)
+            found = plan_triggers(conn, declared, schema, drop=drop)
             for statement_ in found.statements:
                 try:
                     raw.execute(statement_)
