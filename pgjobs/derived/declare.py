@@ -162,8 +162,7 @@ class Derived:
     check reports any other table the SQL's plan reads); ``settings``: any
     other job setting, as in ``[jobs.NAME]`` (``batch_size``, ``backoff``,
     ``lock_timeout``, ``group``, ...), and, in Python only, the queue job's
-    ``after``. ``pgjobs.toml``'s ``[derived.NAME]``
-    builds the same object::
+    ``after``. ``pgjobs.toml``'s ``[derived.NAME]`` builds the same object::
 
         pgjobs.Derived(
             name="exam_score", target="exam_score", scope=("exam_id",),
@@ -189,7 +188,8 @@ class Derived:
     sources: Mapping[str, Any] | tuple[Source, ...]
     every: Duration | None = "1h"
     static: tuple[str, ...] = ()
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    #: (a mapping: left out of the hash)
+    settings: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: where it was declared, for error messages (the config file)
     origin: str | None = field(default=None, compare=False)
 
