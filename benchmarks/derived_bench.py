@@ -263,6 +263,8 @@ class Users:
         self.statements = 0
         self.errors: dict[str, int] = {}
         self.latency: list[float] = []
+        #: (ms, wall clock at the rank's update, exam), for the slowest's story
+        self.slowest: list[tuple[float, float, int]] = []
         self.lock = threading.Lock()
         self.seed = seed
         self.next_id = 50_000_000
@@ -352,6 +354,7 @@ class Users:
                         ).fetchone()
                         if row is not None and row[0] == 1:
                             self.latency.append(1000 * (time.perf_counter() - committed))
+                            self.slowest.append((self.latency[-1], time.time(), exam))
                             break
                         time.sleep(0.002)
                     time.sleep(0.05)
@@ -441,6 +444,10 @@ def users_under_run(url: str, args: argparse.Namespace) -> None:
         f" {pct(users.latency, 0.5):.0f} ms, p95 {pct(users.latency, 0.95):.0f} ms,"
         f" max {max(users.latency, default=float('nan')):.0f} ms"
     )
+    for ms, at, exam in sorted(users.slowest, reverse=True)[:3]:
+        print(
+            f"  slow: {ms:.0f} ms, exam {exam}, rank seen at {time.strftime('%H:%M:%S', time.gmtime(at))}.{int(at % 1 * 1000):03d} UTC"
+        )
     drained = (
         "did not drain"
         if drained_at is None
