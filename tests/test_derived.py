@@ -725,3 +725,30 @@ def test_the_scheduler_installs_the_triggers_at_start(engine: Engine, tmp_path: 
     with engine.begin() as conn:
         score = conn.exec_driver_sql("select score from exam_score where exam_id = 3").scalar_one()
     assert score == 40
+
+
+def test_a_statement_whose_keys_were_pending_still_wakes_the_workers(
+    exams: tuple[Engine, Registry], db_url: str
+) -> None:
+    """enqueue notifies only for new entries; a derived trigger whose keys
+    were all pending notifies anyway, at its commit: a worker may have
+    skipped an entry that the statement's transaction held locked."""
+    import psycopg
+
+    from pgjobs.database import normalize_url
+    from pgjobs.queue import channel
+
+    engine, _ = exams
+    seed(engine)  # exam 2's key is pending now
+    listener = psycopg.connect(
+        normalize_url(db_url).replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+    )
+    try:
+        listener.execute(f'listen "{channel("pgjobs", "exam_score:queue")}"')
+        with engine.begin() as conn:
+            conn.exec_driver_sql("insert into answer values (60, 20, 1)")  # exam 2 again
+        heard = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
+    finally:
+        listener.close()
+    assert heard == [channel("pgjobs", "exam_score:queue")]
+    assert queued(engine, "exam_score:queue") == {(1,), (2,), (3,)}
