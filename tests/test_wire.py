@@ -5,6 +5,7 @@ statements before it answered. On a real server, one connection each."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -323,3 +324,34 @@ print("converter:", _wire._PostgresQuery is not None)
     )
     assert done.stdout.strip() == f"converter: {warned is None}"
     assert ("has no _queries.PostgresQuery" in done.stderr) is bool(warned), done.stderr
+
+
+def test_what_pgjobs_takes_from_psycopgs_private_surface_is_there(
+    raw: psycopg.Connection[Any],
+) -> None:
+    """The names pgjobs takes from psycopg outside its documented API
+    (docs/DESIGN.md, "What pgjobs takes from its dependencies' insides"),
+    each checked by name: a psycopg release that renames one fails here,
+    saying which, also where pgjobs has a way around it that would
+    otherwise hide the change (a fallback, a getattr default)."""
+    from psycopg import _queries, connection, errors
+
+    missing = [
+        what
+        for what, there in [
+            ("psycopg._queries.PostgresQuery", hasattr(_queries, "PostgresQuery")),
+            (
+                "Connection.wait(gen, interval, timeout)",
+                list(inspect.signature(psycopg.Connection.wait).parameters)
+                == ["self", "gen", "interval", "timeout"],
+            ),
+            ("psycopg.errors._WaitTimeout", hasattr(errors, "_WaitTimeout")),
+            ("psycopg.connection._WAIT_INTERVAL", hasattr(connection, "_WAIT_INTERVAL")),
+            ("Connection._deallocate", hasattr(psycopg.Connection, "_deallocate")),
+            ("Connection._get_tx_start_command", hasattr(raw, "_get_tx_start_command")),
+            ("Connection._pipeline", hasattr(raw, "_pipeline")),
+            ("Connection.lock", hasattr(raw, "lock")),
+        ]
+        if not there
+    ]
+    assert missing == []
