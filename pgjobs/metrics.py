@@ -8,9 +8,9 @@ Two kinds of figures:
 
   ==========================================  ===================================
   ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed,
-                                              interrupted, idle, busy, not_due,
-                                              backing_off, paused, cancelled,
-                                              checked
+                                              interrupted, transient, idle, busy,
+                                              not_due, backing_off, paused,
+                                              cancelled, checked
   ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
   ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
                                               lock to the end of the writes)
@@ -141,8 +141,8 @@ class Metrics:
             ProcessCollector(registry=r)
         self.runs = Counter(
             "pgjobs_runs",
-            "Ticks of each job by outcome (ran, failed, interrupted, idle, busy, not_due,"
-            " backing_off, paused, cancelled, checked).",
+            "Ticks of each job by outcome (ran, failed, interrupted, transient, idle, busy,"
+            " not_due, backing_off, paused, cancelled, checked).",
             ["job", "outcome"],
             registry=r,
         )
