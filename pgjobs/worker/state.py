@@ -11,6 +11,7 @@ target (:mod:`.statements`), not per tick.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,7 +21,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import Result, driver, set_local, sqlstate_of
+from .._pg import Result, driver, frozen, sqlstate_of
 from .._pg import error_text as _error_text
 from ..database import transaction_pooling
 from ..errors import ConfigError
@@ -124,13 +125,19 @@ def new_tick(
     )
 
 
-def item_lock_wait(job: QueueJob) -> tuple[sql.Composed, list[str]]:
+def item_lock_wait(job: QueueJob) -> tuple[sql.SQL, None]:
     """The statement that bounds the lock waits of the tick's writes by
     :data:`ITEM_LOCK_WAIT` (or the job's ``lock_timeout``, if shorter)."""
     timeout = job.lock_timeout
     assert isinstance(timeout, timedelta)
     wait = min(timeout, ITEM_LOCK_WAIT) if timeout > timedelta(0) else ITEM_LOCK_WAIT
-    return set_local({"lock_timeout": f"{max(1, int(wait.total_seconds() * 1000))}ms"})
+    return _lock_wait_sql(max(1, int(wait.total_seconds() * 1000))), None
+
+
+@functools.lru_cache(maxsize=16)
+def _lock_wait_sql(ms: int) -> sql.SQL:
+    # composed once, a literal: no parameter to adapt at each tick
+    return frozen(sql.SQL("select set_config('lock_timeout', {}, true)").format(f"{ms}ms"))
 
 
 def is_run_level(exc: BaseException) -> bool:
