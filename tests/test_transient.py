@@ -24,6 +24,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 
 import pgjobs
+import pgjobs.worker.state
 from pgjobs.results import Outcome, RunResult
 
 WAIT = 30.0  # the bound of every wait; never reached when things work
@@ -367,6 +368,80 @@ def test_a_deadlock_with_a_users_transaction_is_transient(db: Engine) -> None:
         assert runner.tick(job).outcome == "ran"
     assert all(exact(db, i) for i in range(1, 9))
     assert state(db, "rc")[0] == 0
+
+
+def test_a_deadlock_between_a_queue_worker_and_a_user_is_transient_and_blames_no_item(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue worker's ``after`` holds status row 1 and waits for row 2,
+    which a user holds; the user then waits for row 1: a deadlock, which
+    the worker's backend detects (its items' lock wait, 0.5 s, is made
+    longer than its deadlock_timeout here, the user's deadlock_timeout
+    longer still: with the defaults the worker's wait ends first, the item
+    is left for later and the user goes on). The tick is ``transient`` (40P01), no item blamed; the user's
+    transaction goes through, and the next tick writes the items."""
+    monkeypatch.setattr(pgjobs.worker.state, "ITEM_LOCK_WAIT", timedelta(seconds=8))
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            "create table item_status (id int primary key, n int not null default 0);"
+            " insert into item_status select generate_series(1, 2)"
+        )
+    holding, ticks = threading.Event(), []
+
+    def after(conn: Connection, keys: Any, stats: Any) -> None:
+        ticks.append(1)
+        conn.execute(text("update item_status set n = n + 1 where id = 1"))
+        if len(ticks) == 1:
+            # checked 2 s into the wait: the user waits too by then
+            conn.execute(text("set local deadlock_timeout = '2s'"))
+            holding.set()
+        conn.execute(text("update item_status set n = n + 1 where id = 2"))
+
+    job = queue_job(after=after)
+    change(db, job, [1, 2])
+    has_2, go, user_done = threading.Event(), threading.Event(), threading.Event()
+
+    def user() -> None:
+        with db.connect() as conn, conn.begin():
+            conn.execute(text("set local deadlock_timeout = '10s'"))  # the worker detects it
+            conn.execute(text("update item_status set n = 100 where id = 2"))
+            has_2.set()
+            assert go.wait(WAIT)
+            conn.execute(text("update item_status set n = 200 where id = 1"))
+        user_done.set()
+
+    users = threading.Thread(target=user)
+    users.start()
+    assert has_2.wait(WAIT)
+    out: dict[str, RunResult] = {}
+    with pgjobs.Runner(db) as runner:
+        thread = threading.Thread(target=lambda: out.update(r=runner.tick(job)))
+        thread.start()
+        assert holding.wait(WAIT)
+        wait_until(lambda: _lock_waiters(db) == 1, what="the worker waiting for row 2")
+        go.set()  # the user asks for row 1, which the worker holds
+        thread.join(WAIT)
+        users.join(WAIT)
+        assert user_done.is_set()
+        assert (out["r"].outcome, out["r"].sqlstate) == ("transient", "40P01"), out["r"]
+        with db.connect() as conn:
+            attempts = conn.execute(text("select attempts from pgjobs.queue order by key")).all()
+        assert [a for (a,) in attempts] == [0, 0]
+        assert runner.tick(job).items == 2
+    assert exact(db, 1) and exact(db, 2)
+    assert state(db, job.name)[0] == 0
+
+
+def _lock_waiters(db: Engine) -> int:
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "select count(*) from pg_stat_activity where wait_event_type = 'Lock'"
+                    " and datname = current_database()"
+                )
+            ).scalar_one()
+        )
 
 
 def test_an_operators_cancel_is_transient_and_blames_no_item(db: Engine) -> None:
