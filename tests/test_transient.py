@@ -24,6 +24,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 
 import pgjobs
+import pgjobs._wire
 import pgjobs.worker.state
 from pgjobs.results import Outcome, RunResult
 
@@ -506,8 +507,13 @@ def test_a_stale_cached_plan_after_alter_type_is_transient_then_runs(db: Engine)
             change(db, job, [n])
             seen.append(runner.tick(job))
         stale = [r for r in seen if r.outcome == "transient"]
-        assert [(r.sqlstate, "cached plan" in (r.error or "")) for r in stale] == [("0A000", True)]
-        assert [r.outcome for r in seen if r.outcome != "transient"] == ["ran", "ran"]
+        if pgjobs._wire._PostgresQuery is not None:  # (pgjobs prepares: not through psycopg's)
+            assert [(r.sqlstate, "cached plan" in (r.error or "")) for r in stale] == [
+                ("0A000", True)
+            ]
+            assert [r.outcome for r in seen if r.outcome != "transient"] == ["ran", "ran"]
+        else:  # psycopg's cursors (PGJOBS_WIRE_FALLBACK=1): its statements, deallocated
+            assert [r.outcome for r in seen] == ["ran", "ran", "ran"]
         with db.connect() as conn:
             assert conn.execute(text("select count(*) from pgjobs.queue")).scalar() == 0
     assert all(exact(db, i) for i in range(1, 6))
