@@ -120,6 +120,11 @@ def fresh(server: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+def drop(server: str, name: str) -> None:
+    with psycopg.connect(server, autocommit=True) as pg:
+        pg.execute(f'drop database if exists "{name}" with (force)')
+
+
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else float("nan")
@@ -476,10 +481,16 @@ def main() -> None:
     print(describe(reference(server)) + f"; load average {os.getloadavg()[0]:.2f}")
     if not args.skip_cost:
         url = fresh(server, "pgjobs_derived_bench_cost")
-        writers_cost(url, args)
+        try:
+            writers_cost(url, args)
+        finally:
+            drop(server, "pgjobs_derived_bench_cost")
     if not args.skip_users:
         url = fresh(server, "pgjobs_derived_bench_users")
-        users_under_run(url, args)
+        try:
+            users_under_run(url, args)
+        finally:
+            drop(server, "pgjobs_derived_bench_users")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
