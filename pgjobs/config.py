@@ -9,6 +9,7 @@
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
     auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
     call_timeout = "10s"                    # deadline of a bookkeeping round trip
+    horizon_warning = "5m"                  # warn of a snapshot held longer (vacuum held back)
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -49,6 +50,7 @@ from .backoff import Backoff
 from .cron import check_cron, check_text, check_timezone
 from .durations import parse_duration, parse_timeout
 from .errors import ConfigError
+from .horizon import HORIZON_WARNING
 from .jobs import (
     MAX_ATTEMPTS,
     MAX_BATCH,
@@ -87,6 +89,7 @@ _TOP_KEYS = (
     "shutdown_timeout",
     "auto_migrate",
     "call_timeout",
+    "horizon_warning",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -230,6 +233,9 @@ class Config:
     #: the deadline of each round trip of pgjobs' bookkeeping, and the margin
     #: of a tick's (``docs/failover.md``)
     call_timeout: timedelta = timedelta(seconds=10)
+    #: a snapshot or transaction held longer than this is warned about
+    #: (``pgjobs status``, the status page, the log: docs/long-transactions.md)
+    horizon_warning: timedelta = HORIZON_WARNING
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -253,7 +259,7 @@ class Config:
                 parse_duration(getattr(self, name), field=name)
             except ConfigError as exc:
                 raise ConfigError(f"{self.source}: {exc}") from None
-        for name in ("prune_every", "heartbeat_every", "call_timeout"):
+        for name in ("prune_every", "heartbeat_every", "call_timeout", "horizon_warning"):
             if getattr(self, name) <= timedelta(0):
                 raise ConfigError(
                     f"{self.source}: {name}: must be positive, got {getattr(self, name)!r}"
@@ -471,6 +477,7 @@ class _Parser:
             "heartbeat_every",
             "shutdown_timeout",
             "call_timeout",
+            "horizon_warning",
         ):
             if name in data:
                 fields[name] = self.duration(data[name], name)

@@ -36,7 +36,10 @@ Two kinds of figures:
   inserted, updated, deleted, skipped), ``pgjobs_drift_on_the_way_rows``
   (rows of queued items, apart), ``pgjobs_check_timestamp_seconds`` and
   ``pgjobs_check_failed`` (0/1); ``pgjobs_schedulers{state}`` (``live``,
-  ``quiet``: by their heartbeats); and ``pgjobs_database_up`` (0 when that
+  ``quiet``: by their heartbeats); ``pgjobs_horizon_age_seconds`` and
+  ``pgjobs_horizon_xid_age``: how long the database's oldest snapshot or
+  transaction has been held, and how many transactions began since (0 when
+  none; :mod:`pgjobs.horizon`); and ``pgjobs_database_up`` (0 when that
   read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
@@ -339,6 +342,8 @@ class _DatabaseCollector(Collector):
         self.checks: list[tuple[str, dict[str, int], dict[str, int], float, bool]] = []
         #: live and gone-quiet schedulers (pgjobs.heartbeat), read with the rows
         self.schedulers: tuple[int, int] = (0, 0)
+        #: the oldest snapshot's age in seconds and in transactions (pgjobs.horizon)
+        self.horizon: tuple[float, int] = (0.0, 0)
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -368,6 +373,10 @@ class _DatabaseCollector(Collector):
                 self.checks = _last_checks(found, source)
                 live = sum(1 for b in found.schedulers if b["live"])
                 self.schedulers = (live, len(found.schedulers) - live)
+                held = found.horizon
+                self.horizon = (
+                    (0.0, 0) if held is None else (held.held.total_seconds(), held.xid_age)
+                )
             except Exception:
                 log.warning(
                     "pgjobs: metrics: could not read the queue and job states", exc_info=True
@@ -400,6 +409,16 @@ class _DatabaseCollector(Collector):
         if rows is None:
             return
         yield self._schedulers_family()
+        yield GaugeMetricFamily(
+            "pgjobs_horizon_age_seconds",
+            "How long the database's oldest snapshot or transaction has been held (0: none).",
+            value=self.horizon[0],
+        )
+        yield GaugeMetricFamily(
+            "pgjobs_horizon_xid_age",
+            "Transactions begun since the database's oldest snapshot or transaction.",
+            value=self.horizon[1],
+        )
         by_job = {r.job: r for r in rows}
         yield from _queue_families(source, rows)
         states = _gauges(

@@ -15,6 +15,8 @@ nothing and installing nothing:
   :func:`pgjobs.queue_stats` has always said) and the oldest *due* item
   (``oldest_due_age``, what the page and the metrics show);
 * the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`);
+* the database's oldest snapshot or transaction and who holds it
+  (:mod:`pgjobs.horizon`), whether pgjobs is installed or not;
 * optionally, the latest runs and dead items (the page's lists).
 
 Two round trips (:func:`pgjobs._pg.send`): the settings, the clock and
@@ -37,6 +39,7 @@ from sqlalchemy.engine import Connection
 from ._pg import Result, driver, send, set_local
 from .durations import setting_ms
 from .heartbeat import schedulers_query
+from .horizon import Horizon, horizon_of, horizon_query
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +84,8 @@ class StatusRead:
     dead: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
+    #: the oldest snapshot or transaction of the database (``None``: none)
+    horizon: Horizon | None = None
 
 
 def _dicts(result: Result) -> list[dict[str, Any]]:
@@ -228,17 +233,19 @@ def read_status(
     if statement_timeout is not None:
         settings["statement_timeout"] = setting_ms(statement_timeout)
     tables = [sql.Identifier(schema, t).as_string(driver(conn)) for t in ("job_state", "scheduler")]
-    # round trip 1: the settings, the clock, and what is installed
-    _, clock = send(
+    # round trip 1: the settings, the clock, what is installed, the horizon
+    _, clock, oldest = send(
         conn,
         set_local(settings),
         ("select now(), to_regclass(%s) is not null, to_regclass(%s) is not null", tables),
+        (horizon_query(), None),
     )
     row = clock.one()
     assert row is not None
     now, installed, beating = row
+    horizon = horizon_of(oldest.all())
     if not installed:  # reading installs nothing
-        return StatusRead(now=now, installed=False)
+        return StatusRead(now=now, installed=False, horizon=horizon)
     # round trip 2: everything else
     names = [job] if job is not None else list(dict.fromkeys(jobs))
     params = {"job": job, "names": names, "runs": runs, "dead": dead}
@@ -251,7 +258,7 @@ def read_status(
         statements.append(("schedulers", *schedulers_query(schema)))
     results = send(conn, *((statement, p) for _, statement, p in statements))
     fields = {name: _FIELDS[name](r) for (name, _, _), r in zip(statements, results, strict=True)}
-    return StatusRead(now=now, installed=True, **fields)
+    return StatusRead(now=now, installed=True, horizon=horizon, **fields)
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 """What the status page shows (:mod:`pgjobs.web`): the jobs, queues, dead
-items and recent runs, read by :func:`pgjobs.readmodel.read_status` (the
+items, recent runs and a horizon held too long, read by :func:`pgjobs.readmodel.read_status` (the
 read ``pgjobs status`` and the metrics share) in one read-only transaction
 with a statement timeout, as plain views for rendering."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .horizon import Horizon, held_past
 from .readmodel import QueueStats, StatusRead, read_status
 from .serve import Source
 
@@ -64,6 +65,10 @@ class Snapshot:
     runs: list[dict[str, Any]] = field(default_factory=list)
     #: the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
+    #: the database's oldest snapshot or transaction (:mod:`pgjobs.horizon`)
+    horizon: Horizon | None = None
+    #: whether it is held past the source's ``horizon_warning``
+    horizon_held: bool = False
 
 
 def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapshot:
@@ -80,8 +85,16 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
             statement_timeout=5.0,
         )
     label = source.database_label()
+    held = held_past(found.horizon, source.horizon_warning)
     if not found.installed:  # reading installs nothing
-        return Snapshot(now=found.now, installed=False, database=label, jobs=_views(source, found))
+        return Snapshot(
+            now=found.now,
+            installed=False,
+            database=label,
+            jobs=_views(source, found),
+            horizon=found.horizon,
+            horizon_held=held,
+        )
     return Snapshot(
         now=found.now,
         installed=True,
@@ -91,6 +104,8 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
         dead=found.dead,
         runs=found.runs,
         schedulers=found.schedulers,
+        horizon=found.horizon,
+        horizon_held=held,
     )
 
 

@@ -18,6 +18,7 @@ Why each step is as it is: ``docs/DESIGN.md``, "The run protocol".
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -33,6 +34,7 @@ from . import logs
 from ._pg import (
     abandon,
     connection_lost,
+    driver,
     error_text,
     later,
     open_transaction,
@@ -40,7 +42,12 @@ from ._pg import (
     set_local,
     sqlstate_of,
 )
-from .database import ENV_TRANSACTION_POOLING, transaction_pooling
+from .database import (
+    ENV_TRANSACTION_POOLING,
+    application_name,
+    names_itself,
+    transaction_pooling,
+)
 from .deadline import cancel_statement
 from .errors import JobError
 from .jobs import RUN_SAVEPOINT, Body, Job, Locks, Progress, RunContext
@@ -93,12 +100,14 @@ class Host(Protocol):
 _READ_ONLY = {"transaction_read_only": "on"}
 
 
-def _job_settings(job: Job) -> dict[str, str]:
+def _job_settings(job: Job, conn: Connection) -> dict[str, str]:
     """``SET LOCAL`` values of the job's ``lock_timeout``, ``statement_timeout``
     and ``synchronous_commit``; and ``client_connection_check_interval``, so
     that the server notices a client that died in the middle of a long
     statement within a second, and lets go of its locks (otherwise they
-    stay until the statement ends: up to 4.6 s measured after a SIGKILL)."""
+    stay until the statement ends: up to 4.6 s measured after a SIGKILL);
+    and the job in the session's ``application_name``, unless the user
+    named the session (:func:`pgjobs.database.names_itself`)."""
     values = {}
     for name in ("lock_timeout", "statement_timeout"):
         value = getattr(job, name)
@@ -108,7 +117,14 @@ def _job_settings(job: Job) -> dict[str, str]:
     # synchronous standby (which a failover may have taken away)
     values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
     values["client_connection_check_interval"] = "1000ms"
+    if names_itself(driver(conn)):
+        values["application_name"] = _app_name(job.name)
     return values
+
+
+@functools.lru_cache(maxsize=256)
+def _app_name(job: str) -> str:
+    return application_name(job)
 
 
 def _slack(interval: timedelta | None) -> timedelta:
@@ -340,7 +356,8 @@ class Tick:
         else:
             lock = later(self.conn, statement, self.lock_names)
         state = later(
-            self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
+            self.conn,
+            *self.store.state_query(self.job.name, settings=_job_settings(self.job, self.conn)),
         )
         # what the body does, it does under this savepoint: should it fail,
         # the failure is recorded in this transaction, the lock still held;
@@ -414,7 +431,7 @@ class Tick:
         send(self.conn, commit=self.trans)
         self.trans = self.conn.begin()
         # one round trip a chunk: the settings, the savepoint, and the check
-        settings, params = set_local(_job_settings(self.job))
+        settings, params = set_local(_job_settings(self.job, self.conn))
         later(self.conn, _SAVEPOINT_RUN)
         (now_on,) = send(self.conn, (sql.SQL("{}, pg_backend_pid()").format(settings), params))
         if self.backend is not None and (now_on.one() or (None,))[-1] != self.backend:

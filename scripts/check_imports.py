@@ -69,7 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "heartbeat",
         },
     ),
-    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
+    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs", "horizon"}),
     ("base", {"_pg", "_wire", "deadline", "errors", "database"}),
 ]
 

@@ -12,6 +12,7 @@ import click
 
 from ..config import Config
 from ..durations import format_duration
+from ..horizon import Horizon, held_past, horizon_line
 from ..registry import Registry
 from .base import (
     EXIT_FAILED,
@@ -88,10 +89,10 @@ def _until(when: datetime | None, now: datetime) -> str:
 
 def _status(
     registry: Registry, config: Config, url: str | None
-) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]], Horizon | None]:
     """Every job's row of ``pgjobs status``: registered jobs first, then jobs
-    that are no longer registered but still have a state; and the schedulers'
-    heartbeats."""
+    that are no longer registered but still have a state; the schedulers'
+    heartbeats; and the database's oldest snapshot or transaction."""
     from ..database import engine_for
     from ..operate import last_check_of, paused_of
     from ..readmodel import read_status
@@ -130,7 +131,7 @@ def _status(
                 "last_check": last_check_of(read.last_checked.get(name)),
             }
         )
-    return rows, read.now, read.schedulers
+    return rows, read.now, read.schedulers, read.horizon
 
 
 @cli.command()
@@ -145,9 +146,16 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
 
     with _errors():
         config, registry, url = _load(config_path, database)
-        rows, now, schedulers = _status(registry, config, url)
+        rows, now, schedulers, horizon = _status(registry, config, url)
+        held = held_past(horizon, config.horizon_warning)
         if as_json:
-            data = {"now": now, "jobs": rows, "schedulers": schedulers}
+            data = {
+                "now": now,
+                "jobs": rows,
+                "schedulers": schedulers,
+                "horizon": None if horizon is None else horizon.as_dict(),
+                "horizon_held": held,
+            }
             click.echo(json.dumps(_jsonable(data), indent=2))
         else:
             table = []
@@ -205,6 +213,9 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                 from ..operate import schedulers_table
 
                 click.echo("\n" + schedulers_table(schedulers, now))
+            if held:
+                assert horizon is not None
+                click.echo(f"\n{horizon_line(horizon)}")
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
 
