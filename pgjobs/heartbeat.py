@@ -29,6 +29,7 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
+from . import logs
 from ._pg import first_line, send, set_local
 from .durations import Duration, parse_duration
 from .errors import ConfigError
@@ -106,6 +107,7 @@ class Heartbeat:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=5.0)
+        logs.SUMMARY.flush(force=True)  # the queue jobs' last lines
         if not delete:
             return
         try:
@@ -142,6 +144,8 @@ class Heartbeat:
             self._try_beat()
 
     def _try_beat(self) -> None:
+        # the queue jobs' summary lines of a minute that ended quiet
+        logs.SUMMARY.flush()
         try:
             self.beat()
         except Exception as exc:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from . import logs
 from .durations import format_duration
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,8 @@ def held_past(horizon: Horizon | None, threshold: timedelta) -> bool:
 class HorizonWatch:
     """One line when the horizon has been held past ``threshold``, one when
     that ends (not one per read). :meth:`observe` each read; ``held`` is the
-    holder while it is past the threshold, else ``None``."""
+    holder while it is past the threshold, else ``None``; the queue jobs'
+    summary lines name it meanwhile (:data:`pgjobs.logs.SUMMARY`)."""
 
     def __init__(self, threshold: timedelta = HORIZON_WARNING) -> None:
         if threshold <= timedelta(0):
@@ -159,17 +161,19 @@ class HorizonWatch:
                     "pgjobs: the database's xmin horizon is held back by %s: vacuum cannot"
                     " remove the queue's processed entries meanwhile (docs/long-transactions.md)",
                     horizon.describe(),
-                    extra={"horizon": horizon.as_dict()},
+                    extra={logs.FIELDS: {"event": "horizon_held", "horizon": horizon.as_dict()}},
                 )
             self.held = horizon
+            logs.SUMMARY.set_horizon(horizon.describe(), horizon.as_dict())
         elif self.held is not None:
             log.info(
                 "pgjobs: the xmin horizon is no longer held back (%s held it for at least %s)",
                 _who(self.held),
                 format_duration(timedelta(seconds=int(self.held.held.total_seconds()))),
-                extra={"horizon": None},
+                extra={logs.FIELDS: {"event": "horizon_released", "horizon": self.held.as_dict()}},
             )
             self.held = None
+            logs.SUMMARY.set_horizon(None)
 
 
 def _holder(horizon: Horizon) -> tuple[str, int | None, str | None]:

@@ -143,7 +143,7 @@ def test_the_heartbeat_logs_one_line_when_it_is_held_and_one_when_it_ends(
     assert started.levelno == logging.WARNING
     message = started.getMessage()
     assert f"held back by pid {holder.pid} (nightly-report, idle in transaction" in message
-    assert started.horizon["pid"] == holder.pid  # type: ignore[attr-defined]
+    assert started.pgjobs["horizon"]["pid"] == holder.pid  # type: ignore[attr-defined]
     holder.release()
     beat.beat()
     beat.beat()
