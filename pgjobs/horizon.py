@@ -87,7 +87,7 @@ class Horizon:
             raise ValueError(f"Horizon.kind: expected 'session' or 'prepared', got {self.kind!r}")
 
     def describe(self) -> str:
-        """``pid 4242 (psql, idle in transaction) for 4m 12s: select ...``"""
+        """``pid 4242 (psql, idle in transaction) for 4m12s: select ...``"""
         held = format_duration(timedelta(seconds=int(self.held.total_seconds())))
         if self.kind == "prepared":
             return f"prepared transaction {self.application_name!r} for {held}"
