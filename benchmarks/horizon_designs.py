@@ -20,6 +20,12 @@ REPEATABLE READ transaction of another connection left idle the whole time:
 Printed: the claim's and the work check's time (median of 20, EXPLAIN
 ANALYZE) and buffers at each checkpoint of entries processed.
 
+Then the cursor's trap, and what closes it (``--trap``): a transaction
+takes a lower ``seq`` and commits after one with a higher ``seq`` was
+claimed; the cursor passes over its entry, unless the enqueue's
+notification carries the lowest ``seq`` it added and the worker lowers its
+cursor to it (LISTEN on a connection of its own).
+
     python benchmarks/horizon_designs.py --checkpoints 0,20000,60000
 """
 
@@ -181,20 +187,72 @@ def run(dsn: str, design: str, checkpoints: list[int], batch: int) -> list[dict]
     return out
 
 
+def trap(dsn: str) -> dict[str, int]:
+    """The late commit, with and without the notification's low-water mark."""
+    with (
+        psycopg.connect(dsn) as late,
+        psycopg.connect(dsn) as early,
+        psycopg.connect(dsn) as worker,
+        psycopg.connect(dsn, autocommit=True) as listener,
+    ):
+        worker.execute("truncate q")
+        worker.commit()
+        listener.execute("listen q_added")
+
+        def add(pg: psycopg.Connection, key: int) -> None:
+            (seq,) = pg.execute(
+                "insert into q (job, key) values ('j', %s) returning seq", (json.dumps([key]),)
+            ).fetchone()
+            pg.execute("select pg_notify('q_added', %s)", (str(seq),))
+
+        add(late, 1)  # takes the lower seq, commits last
+        add(early, 2)
+        early.commit()
+        cursor = 0
+        taken = worker.execute(
+            "select seq from q where job = 'j' and seq > %s order by seq for update skip locked",
+            (cursor,),
+        ).fetchall()
+        cursor = max(s for (s,) in taken)
+        worker.execute("delete from q where seq = any(%s)", ([s for (s,) in taken],))
+        worker.commit()
+        late.commit()
+        missed = worker.execute(
+            "select count(*) from q where job = 'j' and seq > %s", (cursor,)
+        ).fetchone()[0]
+        worker.rollback()
+        lowest = min(int(n.payload) for n in listener.notifies(timeout=1.0, stop_after=2))
+        found = worker.execute(
+            "select count(*) from q where job = 'j' and seq > %s", (min(cursor, lowest - 1),)
+        ).fetchone()[0]
+        worker.rollback()
+    out = {"first_claim": len(taken), "after_late_commit": missed, "with_notified_low": found}
+    print(
+        f"trap: the first claim took {len(taken)} (seq {cursor}); after the late commit, the"
+        f" cursor finds {missed}; lowered to the notified seq {lowest}, it finds {found}"
+    )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dsn", default=os.environ.get("PGJOBS_TEST_DSN"))
     parser.add_argument("--checkpoints", default="0,20000,60000")
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--designs", default="key,cursor,rotate")
+    parser.add_argument("--trap", action="store_true", help="only the cursor's trap")
     args = parser.parse_args()
     checkpoints = [int(x) for x in args.checkpoints.split(",")]
     with find_server_url(args.dsn) as server, fresh_database(server, prefix="pgjobs_hzd") as url:
         dsn = url.replace("postgresql+psycopg://", "postgresql://")
         with psycopg.connect(dsn, autocommit=True) as pg:
             pg.execute(KEY)
+        if args.trap:
+            trap(dsn)
+            return 0
         for design in args.designs.split(","):
             run(dsn, design, checkpoints, args.batch)
+        trap(dsn)
     print(f"load {os.getloadavg()[0]:.1f} (2 cores, machine shared)")
     return 0
 

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -32,6 +33,7 @@ from pgjobs.database import application_name, resolve_engine
 from pgjobs.errors import ConfigError
 from pgjobs.heartbeat import Heartbeat
 from pgjobs.horizon import HorizonWatch
+from pgjobs.metrics import Metrics
 from pgjobs.serve import Request, Source
 from pgjobs.web import StatusPage
 
@@ -110,11 +112,22 @@ def test_status_and_the_page_warn_of_a_held_snapshot_and_clear_after_it(
     assert f"the xmin horizon is held back by pid {holder.pid} (nightly-report" in text_out
     body = page(source, Request("/")).body.decode()
     assert 'id="horizon"' in body and f"pid {holder.pid} (nightly-report" in body
+    gauges = {
+        s.name: s.value
+        for f in text_string_to_metric_families(
+            Metrics(cache_seconds=0).bind(source).exposition().decode()
+        )
+        for s in f.samples
+        if s.name.startswith("pgjobs_horizon")
+    }
+    assert gauges["pgjobs_horizon_age_seconds"] > 0 and gauges["pgjobs_horizon_xid_age"] >= 0
     # a threshold not reached: shown in the JSON, not warned of
     calm = Source(engine=engine, jobs={"export": job}, horizon_warning=timedelta(hours=1))
     assert 'id="horizon"' not in page(calm, Request("/")).body.decode()
 
     holder.release()
+    released = Metrics(cache_seconds=0).bind(source).exposition().decode()
+    assert "pgjobs_horizon_age_seconds 0.0" in released
     after = _status(db_url, config)
     assert after["horizon"] is None and after["horizon_held"] is False
     assert 'id="horizon"' not in page(source, Request("/")).body.decode()
