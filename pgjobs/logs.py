@@ -259,7 +259,7 @@ class QueueSummary:
         seconds = max(now - w.started, 0.0)
         parts = [
             f"{_plural(w.items, 'item')} in {_plural(w.ticks, 'tick')}"
-            f" in the last {format_duration(timedelta(seconds=round(seconds)))}"
+            f" in the last {round(seconds)} s"
         ]
         if p50 is not None and p95 is not None:
             parts.append(f"lag p50 {_ms(p50)} p95 {_ms(p95)}")
