@@ -252,7 +252,7 @@ def probes(dsn: str, job: str) -> dict[str, dict[str, float]]:
         ),
         "job_state": "select * from pgjobs.job_state where job = %(job)s",
         "flow_worker": "select * from pgjobs.flow_worker where job = %(job)s",
-        "mark": "select * from pgjobs.mark where target = 'public.derived' and key = '[1]'",
+        "mark": "select * from pgjobs.mark where target = 'derived'::regclass::text and key = '[1]'",
         "enqueue": "select pgjobs.enqueue(%(job)s, '[[-1]]')",
     }
     out = {}
