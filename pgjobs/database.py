@@ -15,11 +15,12 @@ user's too, has a deadline on each round trip (:mod:`pgjobs.deadline`).
 
 Sessions of engines pgjobs creates carry an ``application_name`` naming
 the process (:func:`application_name`: ``pgjobs (4242@host)``), unless the
-URL or ``$PGAPPNAME`` gives one; while a job's tick runs, its transaction
-names the job too (``pgjobs: exam-scores (4242@host)``, a ``SET LOCAL``),
-on any session whose name is pgjobs' or empty, so that an operator can
-tell pgjobs' sessions apart in ``pg_stat_activity``. A name the user gave
-is left alone.
+URL or ``$PGAPPNAME`` gives one; a job's tick names the job it serves
+(``pgjobs: exam-scores (4242@host)``, set in the tick's first round trip
+when the session named another, and kept: the job it last served), on
+any session whose name is pgjobs' or empty, so that an operator can tell
+pgjobs' sessions apart in ``pg_stat_activity``. A name the user gave is
+left alone.
 
 ``$PGJOBS_TRANSACTION_POOLING=1`` says that consecutive transactions of one
 connection may run on different server sessions (PgBouncer with

@@ -36,6 +36,7 @@ from ._pg import (
     connection_lost,
     driver,
     error_text,
+    frozen,
     later,
     open_transaction,
     send,
@@ -100,14 +101,12 @@ class Host(Protocol):
 _READ_ONLY = {"transaction_read_only": "on"}
 
 
-def _job_settings(job: Job, conn: Connection) -> dict[str, str]:
+def _job_settings(job: Job) -> dict[str, str]:
     """``SET LOCAL`` values of the job's ``lock_timeout``, ``statement_timeout``
     and ``synchronous_commit``; and ``client_connection_check_interval``, so
     that the server notices a client that died in the middle of a long
     statement within a second, and lets go of its locks (otherwise they
-    stay until the statement ends: up to 4.6 s measured after a SIGKILL);
-    and the job in the session's ``application_name``, unless the user
-    named the session (:func:`pgjobs.database.names_itself`)."""
+    stay until the statement ends: up to 4.6 s measured after a SIGKILL)."""
     values = {}
     for name in ("lock_timeout", "statement_timeout"):
         value = getattr(job, name)
@@ -117,14 +116,25 @@ def _job_settings(job: Job, conn: Connection) -> dict[str, str]:
     # synchronous standby (which a failover may have taken away)
     values["synchronous_commit"] = "local" if job.synchronous_commit else "off"
     values["client_connection_check_interval"] = "1000ms"
-    if names_itself(driver(conn)):
-        values["application_name"] = _app_name(job.name)
     return values
 
 
 @functools.lru_cache(maxsize=256)
 def _app_name(job: str) -> str:
     return application_name(job)
+
+
+def _name_session(conn: Connection, job: str) -> None:
+    """Queue the session's ``application_name`` naming ``job``, for the lock's
+    round trip, where the session's name is pgjobs' own (or empty) and
+    names another job: at session level, so that a connection serving one
+    job tick after tick sets it once. Set for each transaction (``SET
+    LOCAL``), it cost 8-12 % of a drain at batch 100 (A/B, 4 rounds); a
+    name the user gave is left alone (:func:`pgjobs.database.names_itself`)."""
+    raw = driver(conn)
+    name = _app_name(job)
+    if raw.info.parameter_status("application_name") != name and names_itself(raw):
+        later(conn, _NAME_SESSION, (name,))
 
 
 def _slack(interval: timedelta | None) -> timedelta:
@@ -355,9 +365,9 @@ class Tick:
             )
         else:
             lock = later(self.conn, statement, self.lock_names)
+        _name_session(self.conn, self.job.name)
         state = later(
-            self.conn,
-            *self.store.state_query(self.job.name, settings=_job_settings(self.job, self.conn)),
+            self.conn, *self.store.state_query(self.job.name, settings=_job_settings(self.job))
         )
         # what the body does, it does under this savepoint: should it fail,
         # the failure is recorded in this transaction, the lock still held;
@@ -431,7 +441,7 @@ class Tick:
         send(self.conn, commit=self.trans)
         self.trans = self.conn.begin()
         # one round trip a chunk: the settings, the savepoint, and the check
-        settings, params = set_local(_job_settings(self.job, self.conn))
+        settings, params = set_local(_job_settings(self.job))
         later(self.conn, _SAVEPOINT_RUN)
         (now_on,) = send(self.conn, (sql.SQL("{}, pg_backend_pid()").format(settings), params))
         if self.backend is not None and (now_on.one() or (None,))[-1] != self.backend:
@@ -623,6 +633,7 @@ _SESSION_CHANGED = (
 _told_unchunked: set[str] = set()
 
 _SAVEPOINT_RUN = sql.SQL("savepoint {}").format(sql.Identifier(RUN_SAVEPOINT))
+_NAME_SESSION = frozen(sql.SQL("select set_config('application_name', %s, false)"))
 #: the longest a flow worker waits for the group's write lock (a recompute's
 #: chunk, or its start snapshot); then ``busy``
 FLOW_WAIT = timedelta(seconds=2)

@@ -171,15 +171,26 @@ def test_pgjobs_sessions_name_their_process_and_job(engine: Engine, db_url: str)
         seen.append(conn.execute(text("select current_setting('application_name')")).scalar())
 
     job = pgjobs.TaskJob(name="export", run=look, every="1h")
+    other = pgjobs.TaskJob(name="import", run=look, every="1h")
     owned, _ = resolve_engine(db_url)
     try:
+        with owned.connect() as conn:  # before any tick: the process's name
+            seen.append(conn.execute(text("select current_setting('application_name')")).scalar())
         pgjobs.run_once(job, database=owned, force=True)
-        with owned.connect() as conn:  # between ticks: the process's name
+        pgjobs.run_once(other, database=owned, force=True)  # the same session, another job
+        pgjobs.run_once(job, database=owned, force=True)
+        with owned.connect() as conn:  # after: the job it last served
             seen.append(conn.execute(text("select current_setting('application_name')")).scalar())
     finally:
         owned.dispose()
-    assert seen == [application_name("export"), application_name()]
-    assert seen[0].startswith("pgjobs: export (") and seen[1].startswith("pgjobs (")
+    assert seen == [
+        application_name(),
+        application_name("export"),
+        application_name("import"),
+        application_name("export"),
+        application_name("export"),
+    ]
+    assert seen[0].startswith("pgjobs (") and seen[1].startswith("pgjobs: export (")
     # a name the user gave is left alone, in the tick too
     mine, _ = resolve_engine(db_url + "?application_name=billing")
     try:
