@@ -173,7 +173,8 @@ def ran(logger: logging.Logger, result: RunResult, *, previous_failures: int = 0
         _log(logger, logging.INFO, run_line(result), {"event": "ran", **fields(result)})
         return
     _log(logger, logging.DEBUG, run_line(result), {"event": "ran", **fields(result)})
-    SUMMARY.add(logger, result)
+    if logger.isEnabledFor(logging.INFO):  # nobody reads the summary: nothing kept
+        SUMMARY.add(logger, result)
 
 
 # -- a queue job's minute ------------------------------------------------------------
