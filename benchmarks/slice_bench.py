@@ -99,6 +99,8 @@ def child(args: Any) -> None:
                 "slices": result.slices,
                 "processes": result.processes,
                 "resumed": result.resumed,
+                "slices_here": (result.detail.get("sliced") or {}).get("slices_here"),
+                "pieces": (result.detail.get("sliced") or {}).get("pieces"),
             }
         )
     )
@@ -194,7 +196,7 @@ def wrong(url: str, per: int, touched: list[int]) -> tuple[int, int]:
         missing, extra = conn.execute(
             f"select (select count(*) from (({derive}) except table derived) x"
             "   where not exists (select from touched t where t.id = x.parent_id)),"
-            " (select count(*) from (table derived except ({derive})) x"
+            f" (select count(*) from (table derived except ({derive})) x"
             "   where not exists (select from touched t where t.id = x.parent_id))"
         ).fetchone()
         return int(missing), int(extra)
@@ -311,6 +313,9 @@ def kill_and_resume(args: Any, url: str) -> dict[str, Any]:
         "resume_s": round(resume, 2),
         "resumed": resumed.get("resumed"),
         "outcome": resumed.get("outcome"),
+        "slices_here": resumed.get("slices_here"),
+        "slices": resumed.get("slices"),
+        "pieces": resumed.get("pieces"),
         "exact (missing, extra)": exact,
     }
     print(json.dumps(row))

@@ -433,3 +433,48 @@ def test_an_unsliced_recompute_of_the_group_waits_its_turn(db):
         assert running.result(WAIT).outcome == "ran"
     assert whole.outcome == "busy"
     assert wrong_rows(db) == (0, 0)
+
+
+def test_status_the_page_and_the_metrics_show_a_sliced_run_in_progress(db):
+    from pgjobs.cli.reading import sliced_line
+    from pgjobs.metrics import Metrics
+    from pgjobs.readmodel import read_status
+    from pgjobs.serve import Request, Source
+    from pgjobs.web import StatusPage
+
+    between, go = threading.Event(), threading.Event()
+    sliced = job(slice_seconds="10m")
+
+    def progress(phase: str, done: int | None, total: int | None) -> None:
+        if phase == "slices" and done == 1:
+            between.set()
+            assert go.wait(WAIT)
+
+    def run() -> pgjobs.RunResult:
+        with Runner(db, worker="host:1") as runner:
+            return runner.tick(sliced, force=True, progress=progress)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run)
+        try:
+            assert between.wait(WAIT)
+            with db.connect() as conn, conn.begin():
+                found = read_status(conn, "pgjobs", jobs=["sliced"])
+            source = Source(engine=db, jobs={"sliced": sliced})
+            page = StatusPage(refresh=0)(source, Request("/")).body.decode()
+            exposed = Metrics(cache_seconds=0).bind(source).exposition().decode()
+        finally:
+            go.set()
+        assert running.result(WAIT).outcome == "ran"
+    run_row = found.sliced["sliced"]
+    assert (run_row["done"], run_row["pieces"], run_row["slices"]) == (1, 3, 1)
+    assert run_row["written"] == 3000 and run_row["processes"] == ["host:1"]
+    line = sliced_line(run_row, found.now)
+    assert line.startswith("sliced run in progress: 1/3 pieces in 1 slices, 3,000 rows written")
+    assert line.endswith("1 process(es)")
+    assert "slicing 1/3" in page
+    assert 'pgjobs_slices_done{job="sliced"} 1.0' in exposed
+    assert 'pgjobs_slices_total{job="sliced"} 3.0' in exposed
+    # over: nothing in progress any more
+    with db.connect() as conn, conn.begin():
+        assert read_status(conn, "pgjobs", jobs=["sliced"]).sliced == {}

@@ -129,7 +129,7 @@ def run_sliced(
     ctx.checkpoint()  # the run's pieces committed: other processes may join it
     plan = prepared.plan
     write_lock = lock_name(ctx.namespace, job.group or job.name)
-    count, mine, rows_mine = 1, 0, 0
+    count, mine, rows_mine, written = 1, 0, 0, 0
     ctx.report("slices", run.done, run.pieces)
     while True:
         started = time.perf_counter()
@@ -160,6 +160,8 @@ def run_sliced(
         done, total = runs.done(run.id, pieces, done_slice.staged.rows, seconds, sums)
         mine += 1
         rows_mine += done_slice.staged.rows
+        written += stats.inserted + stats.updated + stats.deleted
+        ctx.report("slice-rows", written, None)
         if done >= total:
             ctx.report("slices", done, total)
             return _finished(runs, run.id, target, plan, report, mine)
