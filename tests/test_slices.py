@@ -478,3 +478,34 @@ def test_status_the_page_and_the_metrics_show_a_sliced_run_in_progress(db):
     # over: nothing in progress any more
     with db.connect() as conn, conn.begin():
         assert read_status(conn, "pgjobs", jobs=["sliced"]).sliced == {}
+
+
+def test_the_drift_check_goes_slice_by_slice_and_says_where_the_drift_is(db):
+    pgjobs.run_once(job(), db, force=True)
+    with db.begin() as conn:
+        conn.execute(text("update derived set h = 'drift' where parent_id in (5, 2500) and n = 1"))
+        conn.execute(text("delete from derived where parent_id = 2999"))
+    one_piece = job(slice_seconds="10m")  # the first slices stay small
+    found = pgjobs.check(one_piece, db)
+    assert found.drift and (found.updated, found.inserted, found.deleted) == (2, 3, 0)
+    assert found.slices is not None and found.slices >= 2
+    ranges = [(d["low"], d["high"]) for d in found.drifted]
+    assert all(d["updated"] + d["inserted"] > 0 for d in found.drifted)
+    assert ranges[0][0] is None  # key 5: the first piece, open below
+    assert "slices drifted" in found.headline()
+    assert [s.key for s in found.samples["updated"]] == [
+        {"parent_id": 5, "n": 1},
+        {"parent_id": 2500, "n": 1},
+    ]
+    # nothing written, and a keyed Python compute is checked the same way
+    assert wrong_rows(db) == (5, 2)  # 2 drifted rows, 3 deleted
+
+    def python_rows(conn, keys):
+        ids = [k for (k,) in keys]
+        found = conn.execute(
+            text(f"select * from ({DERIVE}) d where parent_id = any(:i)"), {"i": ids}
+        )
+        return [tuple(r) for r in found]
+
+    keyed = pgjobs.check(job(compute=python_rows), db)
+    assert (keyed.updated, keyed.deleted, keyed.inserted) == (2, 0, 3)

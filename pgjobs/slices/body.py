@@ -201,7 +201,7 @@ def _slice(
     started = time.perf_counter()
     staged, _ = compute.stage(conn, how)
     check_coverage(target, staged.columns, job.columns, "the new rows")
-    keys = _keys_table(conn, target, job.scope, staged, how)
+    keys = keys_table(conn, target, job.scope, staged, how)
     compute_seconds = time.perf_counter() - started
     scope = Scope(columns=job.scope, keys=sql.Identifier(KEYS_TABLE), rows=keys)
     with DiffWriter(conn, target, staged, scope=scope) as writer:
@@ -219,7 +219,7 @@ def _slice(
     return _Done(staged, result, compute_seconds)
 
 
-def _keys_table(
+def keys_table(
     conn: Connection, target: Target, scope: tuple[str, ...], staged: Staged, how: KeyRange
 ) -> int:
     """The slice's keys: those of its new rows and those of the target's rows
@@ -301,5 +301,6 @@ __all__ = [
     "SlicedBody",
     "check_scope",
     "fresh_for",
+    "keys_table",
     "run_sliced",
 ]
