@@ -509,3 +509,59 @@ def test_the_drift_check_goes_slice_by_slice_and_says_where_the_drift_is(db):
 
     keyed = pgjobs.check(job(compute=python_rows), db)
     assert (keyed.updated, keyed.deleted, keyed.inserted) == (2, 0, 3)
+
+
+def test_flow_a_key_a_worker_rewrote_after_the_slice_computed_it_is_left_to_the_worker(db):
+    """R1 for a slice: the queue worker rewrites X (a user's change,
+    enqueued) after the slice computed X from the old sources, before the
+    slice writes: the slice leaves X out (flow's exclusion, with the
+    slice's own S0), the worker's rows stay, and the target ends exact."""
+    x = 1500
+    armed, computed, rewritten = threading.Event(), threading.Event(), threading.Event()
+
+    def slice_rows(conn, keys):
+        found = conn.execute(
+            text(f"select * from ({DERIVE}) d where parent_id = any(:i)"),
+            {"i": [k for (k,) in keys]},
+        )
+        rows = [tuple(r) for r in found]
+        if armed.is_set() and x in {k for (k,) in keys}:
+            computed.set()
+            assert rewritten.wait(WAIT)  # the worker wrote X meanwhile
+        return rows
+
+    worker = pgjobs.QueueJob(
+        name="worker",
+        group="derived",
+        target="derived",
+        scope="parent_id",
+        compute=DERIVE + " where p.id = any(:keys)",
+        every="1h",
+    )
+    # (the registry sets worker_scope for a recompute registered beside its workers)
+    sliced = job(
+        compute=slice_rows, group="derived", slice_seconds="10m", worker_scope=("parent_id",)
+    )
+    assert pgjobs.run_once(sliced, db, force=True).outcome == "ran"
+    armed.set()
+
+    def user_and_worker() -> None:
+        assert computed.wait(WAIT)
+        with db.begin() as conn:
+            conn.execute(text("update parent set v = v + 1000 where id = :x"), {"x": x})
+            pgjobs.enqueue(conn, worker, [x])
+        result = pgjobs.run_once(worker, db, force=True)
+        assert result.outcome == "ran" and result.items == 1
+        rewritten.set()
+
+    with db.begin() as conn:
+        conn.execute(text("update parent set v = v + 1 where id % 1000 = 7"))  # drift to repair
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(user_and_worker)
+        result = pgjobs.run_once(sliced, db, force=True)
+        done.result(WAIT)
+    assert result.outcome == "ran", result.error
+    assert result.detail["flow"] == "on"
+    assert result.detail["excluded"] == 3  # X's three rows: the worker's
+    assert result.stats.updated == 3 * 3  # the drift of parents 7, 1007, 2007
+    assert wrong_rows(db) == (0, 0)
