@@ -565,3 +565,23 @@ def test_flow_a_key_a_worker_rewrote_after_the_slice_computed_it_is_left_to_the_
     assert result.detail["excluded"] == 3  # X's three rows: the worker's
     assert result.stats.updated == 3 * 3  # the drift of parents 7, 1007, 2007
     assert wrong_rows(db) == (0, 0)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["read whole", "sampled"])
+def test_the_cut_gives_pieces_in_key_order_of_about_equal_size(db, monkeypatch, exact):
+    from psycopg import sql as psql
+
+    from pgjobs.slices import cut
+
+    if not exact:
+        monkeypatch.setattr(cut, "EXACT_ROWS", 0)  # the sample's path, on a small table
+    with db.begin() as conn:
+        conn.execute(text("insert into parent select g, g from generate_series(3001, 12000) g"))
+        conn.execute(text("analyze parent"))
+        source = cut.KeySource(
+            table=psql.Identifier("public", "parent"), label="p", columns=("id",)
+        )
+        bounds = [int(b[0]) for b in cut.cut(conn, source)]
+    assert len(bounds) == 11  # 12 pieces of about 1,000 keys
+    sizes = [b - a for a, b in zip([1, *bounds], [*bounds, 12001], strict=True)]
+    assert bounds == sorted(bounds) and min(sizes) > 500 and max(sizes) < 2000, sizes
