@@ -213,6 +213,14 @@ def change(url: str, share: float, round_no: int) -> int:
 
 
 def setup(args: Any) -> str:
+    if args.reuse:  # the database of an earlier run, its progress rows dropped
+        url = with_db(args.dsn, DB)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("delete from pgjobs.slice; delete from pgjobs.slice_run")
+            conn.execute("drop materialized view if exists mv")
+            (parents,) = conn.execute("select count(*) from parent").fetchone() or (0,)
+        print(f"reused: {parents:,} parents")
+        return url
     admin = with_db(args.dsn, urlsplit(args.dsn).path.lstrip("/") or "postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f"drop database if exists {DB} with (force)")
@@ -334,6 +342,9 @@ def main() -> int:
     parser.add_argument("--no-mv", dest="mv", action="store_false")
     parser.add_argument("--no-kill", dest="kill", action="store_false")
     parser.add_argument("--no-two", dest="two", action="store_false")
+    parser.add_argument(
+        "--reuse", action="store_true", help="the database of an earlier run, as it is"
+    )
     parser.add_argument("--child", choices=("sliced", "whole"), dest="mode")
     args = parser.parse_args()
     if not args.dsn:
@@ -346,8 +357,9 @@ def main() -> int:
     print(_machine.describe(_machine.reference(args.dsn)))
     print(f"load average: {os.getloadavg()}; the machine is shared with other sessions")
     url = setup(args)
-    # a first sliced run installs pgjobs' schema and finds nothing to change
-    print("warm-up:", json.dumps(collect(spawn(args, "sliced"))))
+    if not args.reuse:
+        # a first sliced run installs pgjobs' schema and finds nothing to change
+        print("warm-up:", json.dumps(collect(spawn(args, "sliced"))))
     rows = []
     for r in range(args.rounds):
         order = ["whole", "sliced"] if r % 2 == 0 else ["sliced", "whole"]

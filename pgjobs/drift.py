@@ -54,7 +54,7 @@ from .records import tick_bound
 from .results import DiffStats, Outcome, RunResult
 from .scoping import KeyRange
 from .slices.body import KEYS_TABLE as SLICE_KEYS
-from .slices.body import check_scope, keys_table
+from .slices.body import check_scope, keys_table, target_range
 from .slices.compute import SliceCompute
 from .slices.cut import Bound, cut, key_source
 from .staging import Staged, check_coverage, stage
@@ -451,7 +451,12 @@ class _Check:
         keys = keys_table(conn, target, compute.scope, staged, how)
         compute_seconds = time.perf_counter() - clock
         clock = time.perf_counter()
-        scope = Scope(columns=compute.scope, keys=sql.Identifier(SLICE_KEYS), rows=keys)
+        scope = Scope(
+            columns=compute.scope,
+            keys=sql.Identifier(SLICE_KEYS),
+            rows=keys,
+            target_filter=target_range(compute.scope, how),
+        )
         plan = Plan(target, staged, scope, preserve=False)
         counts, _ = build_difference(conn, plan, None)
         found = _Classified(self, plan)

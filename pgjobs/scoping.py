@@ -198,12 +198,25 @@ def _row(items: Sequence[sql.Composable]) -> sql.Composable:
 
 
 def range_condition(
-    columns: Sequence[sql.Identifier], how: KeyRange
+    columns: Sequence[sql.Identifier], how: KeyRange, *, literal: bool = False
 ) -> tuple[sql.Composable, dict[str, Any]]:
     """The condition ``columns`` in ``how`` (as :func:`restrict` writes it),
-    for a table of the caller's, and its parameters."""
+    for a table of the caller's, and its parameters; ``literal``: the values
+    inlined (``sql.Literal``), no parameters."""
     conds, params = _range_conditions(list(columns), how)
-    return (sql.SQL(" and ").join(conds) if conds else sql.SQL("true")), params
+    where: sql.Composable = sql.SQL(" and ").join(conds) if conds else sql.SQL("true")
+    if literal:
+        where = sql.SQL(_inline(where.as_string(None), params))
+        params = {}
+    return where, params
+
+
+def _inline(text: str, params: dict[str, Any]) -> str:
+    """``text``'s ``%(name)s`` placeholders replaced by their values, quoted."""
+    return _PYFORMAT.sub(
+        lambda m: "%" if m.group(1) is None else sql.Literal(params[m.group(1)]).as_string(None),
+        text,
+    )
 
 
 def _range_conditions(

@@ -103,8 +103,17 @@ def _target_side(plan: Plan) -> tuple[sql.Composable, sql.Composable]:
             on=equal("y", scope, "k", scope),
         )
     else:
-        target_side = sql.SQL("(select {} from {} where ({}) in (select {} from {})) as t").format(
-            idents(target_cols), t.ident, idents(scope), idents(scope), plan.scope.keys
+        target_side = sql.SQL(
+            "(select {} from {} where {} ({}) in (select {} from {})) as t"
+        ).format(
+            idents(target_cols),
+            t.ident,
+            sql.SQL("{} and").format(plan.scope.target_filter)
+            if plan.scope.target_filter is not None
+            else sql.SQL(""),
+            idents(scope),
+            idents(scope),
+            plan.scope.keys,
         )
     outside = sql.SQL(
         "(select count(*) from {} as s where not exists (select from {} as k where {}))"

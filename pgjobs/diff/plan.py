@@ -42,6 +42,13 @@ class Scope:
     #: writes lies within its scope, so each parent key such a row needs is
     #: one of those held.
     parents_locked: bool = False
+    #: a condition on the target's own columns that every target row in
+    #: scope meets (a sliced run's key range, its values inlined: the
+    #: session's statements carry no parameters): the target's rows are then
+    #: read by its index over that range, not by a join from the keys,
+    #: which the planner made a merge join that walked the target's index
+    #: from its first key (a slice near the end of 10 M rows read most of them)
+    target_filter: sql.Composable | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.parents_locked, bool):

@@ -203,7 +203,12 @@ def _slice(
     check_coverage(target, staged.columns, job.columns, "the new rows")
     keys = keys_table(conn, target, job.scope, staged, how)
     compute_seconds = time.perf_counter() - started
-    scope = Scope(columns=job.scope, keys=sql.Identifier(KEYS_TABLE), rows=keys)
+    scope = Scope(
+        columns=job.scope,
+        keys=sql.Identifier(KEYS_TABLE),
+        rows=keys,
+        target_filter=target_range(job.scope, how),
+    )
     with DiffWriter(conn, target, staged, scope=scope) as writer:
         for chunk in writer.chunks:
             if flow is not None:
@@ -217,6 +222,12 @@ def _slice(
             flow.prune()
         result = writer.finish()
     return _Done(staged, result, compute_seconds)
+
+
+def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
+    """The slice's key range on the target's columns, its values inlined."""
+    where, _ = range_condition([sql.Identifier(c) for c in scope], how, literal=True)
+    return where
 
 
 def keys_table(
@@ -303,4 +314,5 @@ __all__ = [
     "fresh_for",
     "keys_table",
     "run_sliced",
+    "target_range",
 ]
