@@ -515,6 +515,13 @@ class RecomputeJob(_DiffJob):
     references itself is always written at once. Chunks need one server
     session across their commits: behind a transaction pooler
     (``$PGJOBS_TRANSACTION_POOLING``) the job writes in one transaction.
+
+    With a ``scope`` (the column(s) that tie the target's rows to their
+    sources, as a :class:`QueueJob`'s), a run goes in slices of the scope's
+    keys, each its own short transaction of about ``slice_seconds``:
+    resumed after a crash, shared by every process that ticks the job
+    (``docs/slices.md``). The compute is then SQL text (restricted by pgjobs
+    to each slice), SQL binding ``:keys``, or ``compute(conn, keys)``.
     """
 
     kind: ClassVar[str] = "recompute"

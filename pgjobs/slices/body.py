@@ -233,18 +233,17 @@ def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
 def keys_table(
     conn: Connection, target: Target, scope: tuple[str, ...], staged: Staged, how: KeyRange
 ) -> int:
-    """The slice's keys: those of its new rows and those of the target's rows
-    in its range (a key whose new rows vanished is deleted); their count."""
+    """The slice's keys: those of its new rows in its range (a new row
+    outside it fails the slice, naming it: a keyed compute's rows must be
+    its keys'); their count. The target's rows are read by the range itself
+    (:func:`target_range`), so a key whose new rows vanished is deleted."""
     cols = sql.SQL(", ").join(map(sql.Identifier, scope))
     where, params = range_condition([sql.Identifier(c) for c in scope], how)
     made = execute(
         conn,
         sql.SQL(
-            "create temp table {k} on commit drop as select {cols} from {s}"
-            " union select {cols} from {t} where {where}"
-        ).format(
-            k=sql.Identifier(KEYS_TABLE), cols=cols, s=staged.table, t=target.ident, where=where
-        ),
+            "create temp table {k} on commit drop as select distinct {cols} from {s} where {where}"
+        ).format(k=sql.Identifier(KEYS_TABLE), cols=cols, s=staged.table, where=where),
         params,
     )
     return max(made.rowcount, 0)
