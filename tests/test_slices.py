@@ -585,3 +585,14 @@ def test_the_cut_gives_pieces_in_key_order_of_about_equal_size(db, monkeypatch, 
     assert len(bounds) == 11  # 12 pieces of about 1,000 keys
     sizes = [b - a for a, b in zip([1, *bounds], [*bounds, 12001], strict=True)]
     assert bounds == sorted(bounds) and min(sizes) > 500 and max(sizes) < 2000, sizes
+
+
+def test_a_keyed_compute_giving_rows_of_other_keys_fails_the_slice_naming_it(db):
+    def stray(conn, keys):
+        return [(k, n, "x") for (k,) in keys for n in (1, 2, 3)] + [(keys[0][0] + 5000, 1, "x")]
+
+    result = pgjobs.run_once(job(compute=stray), db, force=True)
+    assert result.outcome == "failed"
+    assert "1 new row(s) lie outside the scope (parent_id) of this diff" in (result.error or "")
+    with db.connect() as conn:
+        assert conn.execute(text("select count(*) from derived")).scalar_one() == 0
