@@ -65,6 +65,13 @@ def recompute_lock_name(namespace: str, group: str) -> str:
     return f"{namespace}:{group}:recompute"
 
 
+def verify_lock_name(namespace: str, group: str) -> str:
+    """The lock a scheduled verification (``verify_every``) of ``group``
+    holds at session level while it checks: replicas take turns, never the
+    full check at once."""
+    return f"{lock_name(namespace, group)}:verify"
+
+
 def try_session_lock(conn: Connection, name: str, *, shared: bool = False) -> int | None:
     """The lock ``name`` (see :func:`lock_name`) at session level, held across
     commits by chunked writes (``shared``: in share mode, a sliced run's):
@@ -92,4 +99,5 @@ __all__ = [
     "recompute_lock_name",
     "release_session_lock",
     "try_session_lock",
+    "verify_lock_name",
 ]
