@@ -56,6 +56,7 @@ from .jobs import (
     MAX_ATTEMPTS,
     MAX_BATCH,
     MAX_CHUNK_ROWS,
+    MAX_SLICE_SECONDS,
     MAX_WORKERS,
     Job,
     Parent,
@@ -119,6 +120,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
     "verify_every": ("recompute",),
+    "sliced": ("recompute",),
+    "slice_seconds": ("recompute",),
     "batch_size": ("queue",),
     "workers": ("queue",),
     "max_attempts": ("queue",),
@@ -131,7 +134,7 @@ DECLARE_KEYS: dict[str, tuple[str, ...]] = {
     "target": _DIFF_KINDS,
     "sql": _KINDS,
     "sql_file": _KINDS,
-    "scope": ("queue",),
+    "scope": _DIFF_KINDS,
 }
 _BACKOFF_KEYS = ("initial", "factor", "max", "jitter")
 _PARENT_KEYS = ("table", "columns", "parent_columns")
@@ -170,6 +173,8 @@ class JobOverride:
     atomic: bool | None = None
     #: ``timedelta(0)``: no scheduled verification
     verify_every: timedelta | None = None
+    sliced: bool | None = None
+    slice_seconds: timedelta | None = None
     batch_size: int | None = None
     workers: int | None = None
     max_attempts: int | None = None
@@ -437,6 +442,13 @@ class _Parser:
             return every
         if name in ("busy_retry", "verify_every"):
             return self.duration(value, key)
+        if name == "slice_seconds":
+            seconds = self.duration(value, key)
+            if not timedelta(0) < seconds <= MAX_SLICE_SECONDS:
+                raise self.fail(
+                    key, f"expected more than 0 and at most {MAX_SLICE_SECONDS.seconds} s", value
+                )
+            return seconds
         if name in ("lock_timeout", "statement_timeout"):
             return self.model(lambda: parse_timeout(value, field=key))
         if name == "cron":
@@ -451,7 +463,7 @@ class _Parser:
             return value
         if name in ("backoff", "item_backoff"):
             return self.backoff(value, key)
-        if name in ("enabled", "synchronous_commit", "atomic", "flow"):
+        if name in ("enabled", "synchronous_commit", "atomic", "flow", "sliced"):
             return self.boolean(value, key)
         if name in ("key", "columns"):
             return self.names(value, key)
@@ -571,6 +583,8 @@ class _Parser:
                 raise self.fail(
                     f"{where}.scope", "required: the column(s) that tie an item to its rows", None
                 )
+            fields["scope"] = self.names(table["scope"], f"{where}.scope")
+        if kind == "recompute" and "scope" in table:
             fields["scope"] = self.names(table["scope"], f"{where}.scope")
         if kind == "task":
             fields["run"] = sql_task(query)

@@ -40,8 +40,10 @@ Two kinds of figures:
   ``quiet``: by their heartbeats); ``pgjobs_horizon_age_seconds`` and
   ``pgjobs_horizon_xid_age``: how long the database's oldest snapshot or
   transaction has been held, and how many transactions began since (0 when
-  none; :mod:`pgjobs.horizon`); and ``pgjobs_database_up`` (0 when that
-  read failed).
+  none; :mod:`pgjobs.horizon`); a sliced run in progress
+  (``docs/slices.md``): ``pgjobs_slices_done``, ``pgjobs_slices_total``
+  (pieces) and ``pgjobs_slices_written_rows``; and ``pgjobs_database_up``
+  (0 when that read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
 of jobs, nothing else. pgjobs registers nothing in ``prometheus_client``'s
@@ -348,6 +350,8 @@ class _DatabaseCollector(Collector):
         self.schedulers: tuple[int, int] = (0, 0)
         #: the oldest snapshot's age in seconds and in transactions (pgjobs.horizon)
         self.horizon: tuple[float, int] = (0.0, 0)
+        #: each sliced run in progress: (job, pieces done, pieces, rows written)
+        self.sliced: list[tuple[str, int, int, int]] = []
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -375,6 +379,10 @@ class _DatabaseCollector(Collector):
                     raise PgJobsError(f"pgjobs' tables are not installed in {source.schema!r}")
                 rows = _rows(found)
                 self.checks = _last_checks(found, source)
+                self.sliced = [
+                    (job, int(r["done"]), int(r["pieces"]), int(r["written"]))
+                    for job, r in sorted(found.sliced.items())
+                ]
                 live = sum(1 for b in found.schedulers if b["live"])
                 self.schedulers = (live, len(found.schedulers) - live)
                 held = found.horizon
@@ -461,6 +469,22 @@ class _DatabaseCollector(Collector):
                 states[2].add_metric([name], row.last_success)
         yield from states
         yield from _check_gauges(self.checks)
+        yield from _sliced_gauges(self.sliced)
+
+
+def _sliced_gauges(sliced: Sequence[tuple[str, int, int, int]]) -> list[GaugeMetricFamily]:
+    """A sliced run in progress (``docs/slices.md``): absent when none is."""
+    families = _gauges(
+        [
+            ("pgjobs_slices_done", "Pieces done of the job's sliced run in progress."),
+            ("pgjobs_slices_total", "Pieces of the job's sliced run in progress."),
+            ("pgjobs_slices_written_rows", "Rows its slices have written so far."),
+        ]
+    )
+    for job, done, pieces, written in sliced:
+        for family, value in zip(families, (done, pieces, written), strict=True):
+            family.add_metric([job], value)
+    return families
 
 
 def _queue_families(source: Source, rows: Sequence[_Row]) -> list[GaugeMetricFamily]:

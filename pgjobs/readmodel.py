@@ -18,6 +18,8 @@ nothing and installing nothing:
 * the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`);
 * the database's oldest snapshot or transaction and who holds it
   (:mod:`pgjobs.horizon`), whether pgjobs is installed or not;
+* each sliced run in progress (:func:`sliced_query`: pieces done of how
+  many, rows written so far, the processes taking part);
 * optionally, the latest runs and dead items (the page's lists).
 
 Two round trips (:func:`pgjobs._pg.send`): the settings, the clock and
@@ -89,6 +91,10 @@ class StatusRead:
     schedulers: list[dict[str, Any]] = field(default_factory=list)
     #: the oldest snapshot or transaction of the database (``None``: none)
     horizon: Horizon | None = None
+    #: per job, its sliced run in progress (``slice_run``, migration 014):
+    #: pieces done of how many, slices, rows written, started, last slice,
+    #: resumed, the processes so far
+    sliced: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _dicts(result: Result) -> list[dict[str, Any]]:
@@ -176,6 +182,17 @@ def _per_job(schema: str) -> dict[str, sql.Composed]:
     }
 
 
+def sliced_query(schema: str) -> sql.Composed:
+    """Each sliced run in progress (or only ``%(job)s``'s)."""
+    return sql.SQL(
+        "select r.job, r.done, r.pieces, r.slices, r.inserted + r.updated + r.deleted as written,"
+        " r.started_at, r.touched_at, r.resumed,"
+        " (select array_agg(distinct s.taken_by) from {s} as s where s.job = r.job"
+        "  and s.run = r.id and s.taken_by is not null) as processes"
+        " from {r} as r where (%(job)s::text is null or r.job = %(job)s)"
+    ).format(r=sql.Identifier(schema, "slice_run"), s=sql.Identifier(schema, "slice"))
+
+
 def _lists(schema: str, *, dead: int, runs: int) -> dict[str, sql.Composed]:
     """The statements of the latest dead items and runs, when asked for."""
     out = {}
@@ -212,6 +229,7 @@ _FIELDS: dict[str, Callable[[Result], Any]] = {
     "dead": _dicts,
     "runs": _dicts,
     "schedulers": _dicts,
+    "sliced": _by_job,
 }
 
 
@@ -241,17 +259,24 @@ def read_status(
     settings = {"transaction_read_only": "on"}
     if statement_timeout is not None:
         settings["statement_timeout"] = setting_ms(statement_timeout)
-    tables = [sql.Identifier(schema, t).as_string(driver(conn)) for t in ("job_state", "scheduler")]
+    tables = [
+        sql.Identifier(schema, t).as_string(driver(conn))
+        for t in ("job_state", "scheduler", "slice_run")
+    ]
     # round trip 1: the settings, the clock, what is installed, the horizon
     _, clock, oldest = send(
         conn,
         set_local(settings),
-        ("select now(), to_regclass(%s) is not null, to_regclass(%s) is not null", tables),
+        (
+            "select now(), to_regclass(%s) is not null, to_regclass(%s) is not null,"
+            " to_regclass(%s) is not null",
+            tables,
+        ),
         (horizon_query(), None),
     )
     row = clock.one()
     assert row is not None
-    now, installed, beating = row
+    now, installed, beating, slicing = row
     horizon = horizon_of(oldest.all())
     if not installed:  # reading installs nothing
         return StatusRead(now=now, installed=False, horizon=horizon)
@@ -265,6 +290,8 @@ def read_status(
     ]
     if beating and job is None:  # an older schema has no heartbeats
         statements.append(("schedulers", *schedulers_query(schema)))
+    if slicing:  # nor sliced runs
+        statements.append(("sliced", sliced_query(schema), params))
     results = send(conn, *((statement, p) for _, statement, p in statements))
     fields = {name: _FIELDS[name](r) for (name, _, _), r in zip(statements, results, strict=True)}
     return StatusRead(now=now, installed=True, horizon=horizon, **fields)
@@ -276,4 +303,5 @@ __all__ = [
     "queue_stats_of",
     "queue_stats_query",
     "read_status",
+    "sliced_query",
 ]

@@ -54,6 +54,7 @@ from .errors import JobError
 from .jobs import RUN_SAVEPOINT, Body, Job, Locks, Progress, RunContext
 from .locking import (
     TRY_XACT_BOTH_SQL,
+    TRY_XACT_SHARED_SQL,
     TRY_XACT_SQL,
     WAIT_XACT_SHARED_SQL,
     WAIT_XACT_SHARED_WITHIN_SQL,
@@ -187,6 +188,7 @@ class Tick:
             schema=runner.store.schema,
             now=self.started,
             progress=progress,
+            worker=runner.worker,
         )
 
     def run(self) -> RunResult:
@@ -323,6 +325,8 @@ class Tick:
         self.session_locked = False
         self.backend: int | None = None
         self.lock_names: tuple[str, ...] = ()
+        #: the locks are taken shared (a sliced run's), at session level too
+        self.shared = False
         try:
             stop = self._lock()
             if stop is not None:
@@ -412,6 +416,9 @@ class Tick:
             return TRY_XACT_SQL, (recompute_lock_name(namespace, group),)
         if locks is Locks.RECOMPUTE_AND_WRITE:
             return TRY_XACT_BOTH_SQL, (recompute_lock_name(namespace, group), write)
+        if locks is Locks.RECOMPUTE_SHARED:
+            self.shared = True
+            return TRY_XACT_SHARED_SQL, (recompute_lock_name(namespace, group),)
         return TRY_XACT_SQL, (write,)
 
     def _may_chunk(self) -> bool:
@@ -440,7 +447,7 @@ class Tick:
         transaction before it ran in the same server session."""
         if not self.session_locked:
             for name in self.lock_names:
-                self.backend = try_session_lock(self.conn, name)
+                self.backend = try_session_lock(self.conn, name, shared=self.shared)
             self.session_locked = self.backend is not None
         self._queue_before_commit()
         send(self.conn, commit=self.trans)
@@ -521,7 +528,7 @@ class Tick:
         try:
             with self.conn.begin():
                 for name in self.lock_names:
-                    release_session_lock(self.conn, name)
+                    release_session_lock(self.conn, name, shared=self.shared)
         except Exception:
             # A pooled connection must never go back holding the group lock.
             log.warning(

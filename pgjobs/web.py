@@ -144,6 +144,20 @@ def _drift_section(view: JobView, now: Any) -> list[Markup]:
     ]
 
 
+def _slicing(view: JobView) -> Markup | None:
+    """A sliced run in progress: its pieces done of how many."""
+    run = view.sliced
+    if not run:
+        return None
+    return el(
+        "span",
+        f" slicing {run['done']:,}/{run['pieces']:,}",
+        class_="outcome running",
+        title=f"{run['written']:,} rows written in {run['slices']:,} slices"
+        f" by {len(run.get('processes') or [])} process(es)",
+    )
+
+
 def _job_href(base: str, name: str) -> str:
     return f"{base}/job/{quote(name, safe='')}"
 
@@ -192,6 +206,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                     el("span", f" ({v.transient:,} transient)", class_="muted")
                     if v.transient
                     else None,
+                    _slicing(v),
                 ),
                 el("td", _when(v.last.get("finished_at"), snap.now)),
                 el("td", _next(v, snap.now)),

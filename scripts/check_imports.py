@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
     ("protocol", {"runner", "steps", "records", "drift"}),
-    ("bodies", {"recompute", "worker"}),
+    ("bodies", {"recompute", "worker", "slices"}),
     (
         "writers",
         {
@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "listener",
             "flow",
             "heartbeat",
+            "scoping",
         },
     ),
     ("model", {"jobs", "cron", "results", "durations", "backoff", "logs", "horizon"}),

@@ -132,9 +132,23 @@ def _status(
                 "queue": None if queues is None else queues.get(name),
                 "paused": paused_of(state),
                 "last_check": last_check_of(read.last_checked.get(name)),
+                # a sliced run in progress (docs/slices.md)
+                "sliced": read.sliced.get(name),
             }
         )
     return rows, read.now, read.schedulers, read.horizon
+
+
+def sliced_line(run: dict[str, Any], now: Any) -> str:
+    """A sliced run in progress, in one line."""
+    processes = run.get("processes") or []
+    resumed = ", resumed" if run.get("resumed") else ""
+    return (
+        f"sliced run in progress: {run['done']:,}/{run['pieces']:,} pieces in"
+        f" {run['slices']:,} slices, {run['written']:,} rows written, started"
+        f" {_ago(run['started_at'], now)}, last slice {_ago(run['touched_at'], now)},"
+        f" {len(processes)} process(es){resumed}"
+    )
 
 
 def _queue_text(queue: dict[str, Any] | None) -> str:
@@ -264,6 +278,8 @@ def status(
                     click.echo(f"\n{r['job']}: paused since {since} by {paused['by']}{why}")
                 if r["last_check"]:
                     click.echo(f"\n{r['job']}: {check_line(r['last_check'], now)}")
+                if r["sliced"]:
+                    click.echo(f"\n{r['job']}: {sliced_line(r['sliced'], now)}")
             if schedulers:  # their heartbeats (pgjobs.heartbeat)
                 from ..operate import schedulers_table
 
