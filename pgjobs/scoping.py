@@ -197,6 +197,28 @@ def _row(items: Sequence[sql.Composable]) -> sql.Composable:
     return sql.SQL("({})").format(sql.SQL(", ").join(items))
 
 
+def range_condition(
+    columns: Sequence[sql.Identifier], how: KeyRange, *, literal: bool = False
+) -> tuple[sql.Composable, dict[str, Any]]:
+    """The condition ``columns`` in ``how`` (as :func:`restrict` writes it),
+    for a table of the caller's, and its parameters; ``literal``: the values
+    inlined (``sql.Literal``), no parameters."""
+    conds, params = _range_conditions(list(columns), how)
+    where: sql.Composable = sql.SQL(" and ").join(conds) if conds else sql.SQL("true")
+    if literal:
+        where = sql.SQL(_inline(where.as_string(None), params))
+        params = {}
+    return where, params
+
+
+def _inline(text: str, params: dict[str, Any]) -> str:
+    """``text``'s ``%(name)s`` placeholders replaced by their values, quoted."""
+    return _PYFORMAT.sub(
+        lambda m: "%" if m.group(1) is None else sql.Literal(params[m.group(1)]).as_string(None),
+        text,
+    )
+
+
 def _range_conditions(
     columns: list[sql.Identifier], how: KeyRange
 ) -> tuple[list[sql.Composable], dict[str, Any]]:
@@ -392,7 +414,7 @@ def check_plan(
     key for each slice. Logs a warning, and returns it in the report, for
     each table of at least ``large_rows`` rows (its statistics) that the
     plan reads whole (a ``Seq Scan``), naming the index that would let a
-    slice read only its rows. Call it once per run: it plans the statement
+    slice read only its rows (logged once per process; always returned). Call it once per run: it plans the statement
     (no row is read), under a savepoint of the caller's transaction."""
     plan, order = explain_generic(conn, restricted.checked)
     numbers = {str(order.index(m) + 1) for m in restricted.marks if m in order}
@@ -422,9 +444,14 @@ def check_plan(
         )
     warnings = _whole_reads(conn, plan, numbers, where, scope, large_rows)
     for warning in warnings:
-        log.warning("pgjobs: %s", warning)
+        if warning not in _told:  # once per process: every run would say it again
+            _told.add(warning)
+            log.warning("pgjobs: %s", warning)
     return PlanReport(reached=tuple(reached), warnings=tuple(warnings))
 
+
+#: the warnings logged already by this process
+_told: set[str] = set()
 
 _COLUMN_TESTED = re.compile(r"([\w.\"]+)\s*(?:>=|<=|<|>|=)\s*(?:ANY\s*\()?\$(\d+)")
 
@@ -512,5 +539,6 @@ __all__ = [
     "check_plan",
     "explain_generic",
     "numbered",
+    "range_condition",
     "restrict",
 ]

@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight", "derived"}),
     ("protocol", {"runner", "steps", "records", "drift"}),
-    ("bodies", {"recompute", "worker"}),
+    ("bodies", {"recompute", "worker", "slices"}),
     (
         "writers",
         {
@@ -70,7 +70,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "scoping",
         },
     ),
-    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
+    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs", "horizon"}),
     ("base", {"_pg", "_wire", "deadline", "errors", "database"}),
 ]
 
