@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -128,6 +128,16 @@ class Registry:
             registry._register(job, owner, plugin=False)
         registry._check_groups()
         return registry
+
+    def mapped(self, change: Callable[[Job], Job]) -> Registry:
+        """A copy whose jobs are ``change(job)``, each keeping its owner (a
+        host application wraps the jobs' bodies: ``pgjobs.contrib.django``
+        closes Django's connections around them)."""
+        copy = type(self)()
+        copy._pm, copy._owners, copy._filtered = self._pm, self._owners, self._filtered
+        for name, entry in self._entries.items():
+            copy._entries[name] = replace(entry, job=change(entry.job))
+        return copy
 
     def _load_entry_points(self, disabled: set[str], only: list[str] | None) -> None:
         found = [
