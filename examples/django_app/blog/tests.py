@@ -74,7 +74,7 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         )
         self.assertEqual(response.status_code, 302, response.content[:500])
 
-    def test_staff_see_every_page(self) -> None:
+    def test_staff_see_every_page_others_do_not(self) -> None:
         publish(self.ann.pk, "hello", 120)
         self.client.force_login(self.staff)
         for page in self.pages:
@@ -85,7 +85,8 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         self.assertIn("author-stats-worker", jobs)
         self.assertIn("Run once", jobs)
 
-    def test_anonymous_users_are_sent_to_the_login_page(self) -> None:
+        self.client.logout()
+        # anonymous users: sent to the login page, their actions not taken
         for page in (*self.pages, "/admin/pgjobs/jobstate/act/"):
             with self.subTest(page=page):
                 response = self.client.get(page)
@@ -93,8 +94,7 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
                 self.assertIn("/admin/login/", response["Location"])
         self.client.post("/admin/pgjobs/jobstate/act/", {"action": "pause", "job": "author-stats"})
         self.assertFalse(JobState.objects.filter(paused_at__isnull=False).exists())
-
-    def test_staff_without_the_permission_see_but_cannot_act(self) -> None:
+        # staff allowed to view, not to operate: see the pages, no action
         self.client.force_login(self.viewer)
         page = self.client.get("/admin/pgjobs/jobstate/")
         self.assertEqual(page.status_code, 200)
@@ -108,7 +108,7 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         self.client.force_login(plain)
         self.assertEqual(self.client.get("/admin/pgjobs/jobstate/").status_code, 403)
 
-    def test_pause_resume_and_run_once(self) -> None:
+    def test_pause_resume_run_once_and_revive(self) -> None:
         publish(self.ann.pk, "hello", 120)
         self.client.force_login(self.staff)
         self.act("pause", "author-stats-worker")
@@ -122,12 +122,10 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         self.assertFalse(QueueItem.objects.exists())
         runs = self.client.get("/admin/pgjobs/run/").content.decode()
         self.assertIn('<td class="field-outcome">ran</td>', runs)
-
-    def test_revive_a_dead_item(self) -> None:
-        publish(self.ann.pk, "hello", 120)
+        # a dead item, revived
+        publish(self.ann.pk, "again", 30)
         with connection.cursor() as cursor:  # as a worker parks an item
             cursor.execute("update pgjobs.queue set dead_at = now(), attempts = 5")
-        self.client.force_login(self.staff)
         page = self.client.get("/admin/pgjobs/queueitem/").content.decode()
         self.assertIn(json.dumps([self.ann.pk]), page)
         self.act("revive", "author-stats-worker", json.dumps([self.ann.pk]))
