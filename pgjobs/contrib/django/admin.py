@@ -55,8 +55,9 @@ def _status() -> tuple[list[dict[str, Any]], Any]:
     return rows, now
 
 
-def act(action: str, job: str, keys: list[str]) -> str:
-    """One action of the admin on ``job``: the line the command would print."""
+def act(action: str, job: str, keys: list[str], *, by: str = "") -> str:
+    """One action of the admin on ``job``: the line the command would print
+    (``by``: who, for a pause's reason)."""
     from ... import api
     from ...operate import Operator
     from .conf import load
@@ -67,7 +68,7 @@ def act(action: str, job: str, keys: list[str]) -> str:
     registry = given.registry(given.config)
     operator = Operator(given.config, registry, given.url)
     if action == "pause":
-        return operator.pause(job, reason="paused from the Django admin")
+        return operator.pause(job, reason=f"from the Django admin{f' by {by}' if by else ''}")
     if action == "resume":
         return operator.resume(job)
     if action == "revive":
@@ -141,7 +142,8 @@ class _Operated(_ReadOnly):
             messages.error(request, f"pgjobs: no action {action!r} on job {job!r}")
         else:
             try:
-                messages.success(request, act(action, job, request.POST.getlist("key")))
+                line = act(action, job, request.POST.getlist("key"), by=str(request.user))
+                messages.success(request, line)
             except Exception as exc:
                 messages.error(request, f"pgjobs: {action} {job}: {type(exc).__name__}: {exc}")
         changelist = f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"
