@@ -5,6 +5,7 @@
     database = "postgresql://app@db/app"   # or $PGJOBS_DATABASE_URL
     namespace = "myapp"                     # advisory-lock namespace
     plugins = ["myapp.jobs"]                # modules with @pgjobs.hookimpl functions
+    entry_points = []                       # installed plugins to load (absent: all)
     keep_runs = "7d"                        # prune pgjobs.run older than this ...
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
     auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
@@ -80,6 +81,7 @@ _TOP_KEYS = (
     "namespace",
     "schema",
     "plugins",
+    "entry_points",
     "timezone",
     "keep_runs",
     "prune_every",
@@ -215,6 +217,9 @@ class Config:
     schema: str = DEFAULT_SCHEMA
     #: modules imported and registered as plugins
     plugins: tuple[str, ...] = ()
+    #: the installed plugins to load (entry-point or distribution names);
+    #: ``None``: all of them, ``()``: none
+    entry_points: tuple[str, ...] | None = None
     #: the time zone of cron schedules
     timezone: str = "UTC"
     #: run records older than this are pruned by the scheduler
@@ -236,6 +241,14 @@ class Config:
     overrides: Mapping[str, JobOverride] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.entry_points is not None and (
+            isinstance(self.entry_points, str)
+            or not all(isinstance(n, str) and n for n in self.entry_points)
+        ):
+            raise ConfigError(
+                f"{self.source}: entry_points: expected a list of installed plugins' "
+                f"entry-point or distribution names, got {self.entry_points!r}"
+            )
         for name in ("namespace", "schema"):
             try:
                 check_text(getattr(self, name), name)
@@ -465,6 +478,15 @@ class _Parser:
             if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
                 raise self.fail("plugins", "expected a list of module names", plugins)
             fields["plugins"] = tuple(plugins)
+        if "entry_points" in data:
+            names = data["entry_points"]
+            if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+                raise self.fail(
+                    "entry_points",
+                    "expected a list of installed plugins' entry-point or distribution names",
+                    names,
+                )
+            fields["entry_points"] = tuple(names)
         for name in (
             "keep_runs",
             "prune_every",

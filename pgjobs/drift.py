@@ -175,15 +175,18 @@ class CheckResult:
         }
 
     def headline(self) -> str:
-        """One line: the job, whether it drifted, and what a recompute would write."""
+        """One line: the job, whether it drifted, and what a recompute (or,
+        for a queue job's items, a run of those items) would write."""
         s = self.stats
         scope = f" ({len(self.keys)} item(s))" if self.keys is not None else ""
+        # A queue job's check is its scoped diff: no recompute is involved.
+        writer = "a recompute" if self.keys is None else "a run of these items"
         figures = (
             f"insert {s.inserted:,}, update {s.updated:,}, delete {s.deleted:,},"
             f" skip {s.skipped_missing_parent:,} (parent gone); unchanged {s.unchanged:,}"
         )
         head = "drift" if self.drift else "no drift"
-        return f"{self.job}{scope}: {head}: a recompute would {figures} [{self.seconds:.2f}s]"
+        return f"{self.job}{scope}: {head}: {writer} would {figures} [{self.seconds:.2f}s]"
 
     def run_result(self, *, error: str | None = None) -> RunResult:
         """This check as a run record (outcome ``checked``), its samples in
@@ -656,8 +659,9 @@ def verify(
                 detail={"check": {"error": first_line(exc)}},
             )
         else:
-            if result.drift:
-                log.warning("pgjobs: %s", result.headline())
+            # One line per scheduled check: drift is a warning, agreement news.
+            level = logging.WARNING if result.drift else logging.INFO
+            log.log(level, "pgjobs: %s", result.headline())
         with conn.begin():
             run_id = store.insert_run(conn, record, worker)
     return replace(record, run_id=run_id)

@@ -68,7 +68,9 @@ def lifespan(
         # or: async with pgjobs.lifespan(scheduler): ...
 
     ``scheduler_or_config``: a :class:`Scheduler`, or what
-    :meth:`Scheduler.from_config` takes (``options`` go to it). Installs no
+    :meth:`Scheduler.from_config` takes (``options`` go to it:
+    ``entry_points=["exams"]`` loads only that installed plugin,
+    ``entry_points=[]`` none, whatever else is installed). Installs no
     signal handler; shutdown waits for the running transaction, off the event loop.
     """
     return Lifespan(scheduler_or_config, options)

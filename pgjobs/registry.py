@@ -2,8 +2,11 @@
 
 The only module that talks to pluggy's hooks. :meth:`Registry.load`, in
 order: (1) blocks the plugins ``$PGJOBS_DISABLE_PLUGINS=a,b`` names; (2)
-loads the installed plugins of the ``pgjobs`` entry-point group, or only
-those ``$PGJOBS_LOAD_PLUGINS=a,b`` names; (3) imports the config file's
+loads the installed plugins of the ``pgjobs`` entry-point group: all of
+them, or only those the ``entry_points`` argument, else
+``$PGJOBS_LOAD_PLUGINS=a,b``, else the config file's ``entry_points`` names
+(a module the config's ``plugins`` lists may be named too: those always
+load); (3) imports the config file's
 ``plugins`` modules, then any plugin objects passed in; (4) refuses hooks
 with no spec (``check_pending()``); (5) runs each plugin's
 ``pgjobs_register_jobs(register)``; (6) adds the config file's jobs and
@@ -92,22 +95,25 @@ class Registry:
         config: Config | None = None,
         *,
         plugins: Iterable[object] = (),
-        entry_points: bool = True,
+        entry_points: bool | Iterable[str] = True,
         env: Mapping[str, str] | None = None,
     ) -> Registry:
         """Load plugins and the config's jobs (the steps in the module docstring).
 
         ``plugins``: extra plugin objects (modules with ``@pgjobs.hookimpl``
-        functions) for embedders; ``entry_points=False`` skips installed plugins.
+        functions) for embedders. ``entry_points``: ``True`` loads the
+        installed plugins ``$PGJOBS_LOAD_PLUGINS``, else the config's
+        ``entry_points``, selects (all when neither is set); ``False`` or
+        ``[]`` none; a list of entry-point or distribution names only those.
         """
         config = config or Config()
         environ = os.environ if env is None else env
         registry = cls()
         disabled = {_canonical(n) for n in _names_from_env(environ.get(ENV_DISABLE, ""))}
         registry._filtered = bool(disabled)
-        if entry_points:
-            only = environ.get(ENV_LOAD)
-            registry._load_entry_points(disabled, None if only is None else _names_from_env(only))
+        if entry_points is not False:
+            selection = _selection(config, entry_points, environ)
+            registry._load_entry_points(disabled, selection, config.plugins)
         registry._load_modules(config, disabled)
         for plugin in plugins:
             registry._add_plugin(plugin, getattr(plugin, "__name__", None) or repr(plugin), None)
@@ -139,24 +145,33 @@ class Registry:
             copy._entries[name] = replace(entry, job=change(entry.job))
         return copy
 
-    def _load_entry_points(self, disabled: set[str], only: list[str] | None) -> None:
-        found = [
-            (dist, ep)
-            for dist in importlib.metadata.distributions()
-            for ep in dist.entry_points
-            if ep.group == ENTRY_POINT_GROUP
-        ]
-        wanted = None if only is None else {_canonical(n) for n in only}
-        if wanted:
+    def _load_entry_points(
+        self,
+        disabled: set[str],
+        selection: tuple[str, tuple[str, ...]] | None,
+        modules: tuple[str, ...],
+    ) -> None:
+        found = _installed()
+        wanted = None if selection is None else {_canonical(n) for n in selection[1]}
+        if selection is not None and wanted:
+            where, given = selection
             known = {_canonical(ep.name) for _, ep in found} | {
                 _canonical(d.name) for d, _ in found
             }
-            missing = sorted(wanted - known)
+            # A module of the config's plugins is named there too ("only my
+            # application's jobs"); it loads anyway, with the config.
+            known |= {_canonical(m) for m in modules}
+            missing = [n for n in given if _canonical(n) not in known]
             if missing:
                 installed = sorted({ep.name for _, ep in found}) or ["none"]
-                raise PluginError(
-                    f"${ENV_LOAD}: no installed plugin named {', '.join(map(repr, missing))} "
-                    f"(installed: {', '.join(installed)})"
+                # The environment is the operator's (a plugin problem); the
+                # file or an embedder's argument, a configuration mistake.
+                error = PluginError if where == f"${ENV_LOAD}" else ConfigError
+                raise error(
+                    f"{where}: no installed plugin named {', '.join(map(repr, missing))} "
+                    f"(installed: {', '.join(installed)}"
+                    + (f"; modules in plugins: {', '.join(modules)}" if modules else "")
+                    + ")"
                 )
         for dist, ep in found:
             names = {_canonical(ep.name), _canonical(dist.name)}
@@ -374,6 +389,37 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _installed() -> list[tuple[importlib.metadata.Distribution, importlib.metadata.EntryPoint]]:
+    """The installed plugins: each distribution with its ``pgjobs`` entry point."""
+    return [
+        (dist, ep)
+        for dist in importlib.metadata.distributions()
+        for ep in dist.entry_points
+        if ep.group == ENTRY_POINT_GROUP
+    ]
+
+
+def _selection(
+    config: Config, entry_points: Iterable[str] | bool, environ: Mapping[str, str]
+) -> tuple[str, tuple[str, ...]] | None:
+    """Which installed plugins to load, and who said so: ``None`` for all.
+    The caller's argument wins, then the operator's environment, then the file."""
+    if isinstance(entry_points, bool):  # False never gets here: no installed plugin
+        only = environ.get(ENV_LOAD)
+        if only is not None:
+            return f"${ENV_LOAD}", tuple(_names_from_env(only))
+        if config.entry_points is not None:
+            return f"{config.source}: entry_points", config.entry_points
+        return None
+    names = () if isinstance(entry_points, str) else tuple(entry_points)
+    if isinstance(entry_points, str) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            "entry_points: expected a list of installed plugins' entry-point or distribution "
+            f"names, got {entry_points!r}"
+        )
+    return "entry_points", names
 
 
 def _same_table(a: Job, b: Job) -> bool:

@@ -234,13 +234,17 @@ class Scheduler:
         *,
         database: str | Engine | None = None,
         registry: Registry | None = None,
+        entry_points: Iterable[str] | None = None,
         **options: Any,
     ) -> Scheduler:
         """A scheduler for the jobs of a config file (and the installed plugins).
 
         ``config``: a :class:`~pgjobs.config.Config`, a path, or ``None`` for
         :func:`~pgjobs.load_config`'s search. ``database`` wins over
-        ``$PGJOBS_DATABASE_URL`` and the file's ``database``.
+        ``$PGJOBS_DATABASE_URL`` and the file's ``database``. ``entry_points``:
+        the installed plugins to load, by entry-point or distribution name
+        (``[]``: none); it wins over ``$PGJOBS_LOAD_PLUGINS`` and the file's
+        ``entry_points`` (``None``: as they say; neither set: all).
         """
         from .config import Config, load_config
         from .registry import Registry
@@ -248,7 +252,11 @@ class Scheduler:
         if not isinstance(config, Config):
             config = load_config(config)
         if registry is None:
-            registry = Registry.load(config)
+            registry = Registry.load(
+                config, entry_points=True if entry_points is None else entry_points
+            )
+        elif entry_points is not None:
+            raise ConfigError("give a registry or entry_points, not both")
         url: str | Engine | None = database
         if url is None:
             url = config.database_url()

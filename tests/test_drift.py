@@ -11,6 +11,7 @@ the check finds nothing after it. Rows of queued items are reported apart.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import textwrap
@@ -332,7 +333,8 @@ def test_check_of_a_queue_job_by_keys_on_the_command_line(
     pgjobs.install(exams)
     out = invoke("check", "worker", "-c", str(config), "--database", db_url, "--keys", "7", "8")
     assert out.exit_code == 0, out.output
-    assert "worker (2 item(s)): no drift" in out.output
+    assert "worker (2 item(s)): no drift: a run of these items would insert 0" in out.output
+    assert "recompute" not in out.output  # a queue job's items, not a recompute
     out = invoke(
         "check", "worker", "-c", str(config), "--database", db_url, "--keys", "4", "--json"
     )
@@ -390,6 +392,28 @@ def test_a_replica_skips_a_check_another_made_within_the_interval(exams: Engine)
     first = verify(exams, Store(), job)
     assert first is not None and first.outcome is pgjobs.Outcome.CHECKED
     assert verify(exams, Store(), job) is None
+
+
+def test_each_scheduled_check_writes_one_log_line(
+    exams: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Drift is a warning; a check that finds none is still one INFO line,
+    so an operator sees the checks happen."""
+    from pgjobs.drift import verify
+    from pgjobs.store import Store
+
+    pgjobs.install(exams)
+    job = recompute(verify_every="1s")
+    with caplog.at_level(logging.INFO, logger="pgjobs.drift"):
+        assert verify(exams, Store(), job) is not None
+        assert pgjobs.run_once(job, exams, force=True).outcome is pgjobs.Outcome.RAN
+        with exams.begin() as conn:  # the last check, long enough ago for the next
+            conn.execute(text("update pgjobs.run set started_at = started_at - interval '1h'"))
+        assert verify(exams, Store(), job) is not None
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pgjobs.drift"]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO], lines
+    assert "scores: drift: a recompute would insert 2, update 3, delete 1" in lines[0][1]
+    assert "scores: no drift: a recompute would insert 0, update 0, delete 0" in lines[1][1]
 
 
 def test_a_failing_check_is_recorded_as_checked_with_its_error(exams: Engine) -> None:

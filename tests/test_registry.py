@@ -3,6 +3,7 @@ duplicates, group conflicts, and checks against a real database."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import textwrap
@@ -271,6 +272,109 @@ def test_an_override_of_an_unregistered_job_is_an_error_unless_plugins_are_filte
         )
     assert [j.name for j in registry.jobs()] == ["a"]
     assert "jobs.b overrides no registered job" in caplog.text
+
+
+# -- an application names the installed plugins it loads: entry_points -----------------
+def _app(tmp_path: Path, modules: list[str], entry_points: str | None) -> Path:
+    """An application: its own jobs module and a pgjobs.toml naming it."""
+    app = tmp_path / f"app{len(modules)}"
+    app.mkdir()
+    name = plugin_module(app, modules, TASK.format(name="mine"))
+    lines = [f'plugins = ["{name}"]']
+    if entry_points is not None:
+        lines.append(f"entry_points = {entry_points}")
+    path = app / "pgjobs.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("entry_points", "expected"),
+    [
+        (None, {"mine", "a", "b"}),  # absent: every installed plugin, as before
+        ("[]", {"mine"}),
+        ('["fake-a"]', {"mine", "a"}),
+        ('["pgjobs_fake_b"]', {"mine", "b"}),  # the distribution's name, spelt either way
+    ],
+)
+def test_the_config_names_the_installed_plugins_it_loads(
+    tmp_path: Path, site: Path, modules: list[str], entry_points: str | None, expected: set[str]
+) -> None:
+    config = load_config(_app(tmp_path, modules, entry_points))
+    registry = Registry.load(config, env={})
+    assert {"a", "b", "mine"} & {job.name for job in registry.jobs()} == expected
+
+
+def test_the_argument_wins_over_the_environment_and_the_file(
+    tmp_path: Path, site: Path, modules: list[str], engine: Engine
+) -> None:
+    path = _app(tmp_path, modules, '["fake-a"]')
+    # the operator's environment over the file's ["fake-a"]
+    registry = Registry.load(load_config(path), env={"PGJOBS_LOAD_PLUGINS": "fake-b"})
+    assert {j.name for j in registry.jobs()} == {"mine", "b"}
+    # the embedder's argument over both (conftest sets PGJOBS_LOAD_PLUGINS="")
+    scheduler = pgjobs.Scheduler.from_config(path, database=engine, entry_points=[])
+    assert [j.name for j in scheduler.registry.jobs()] == ["mine"]
+    scheduler = pgjobs.Scheduler.from_config(path, database=engine, entry_points=["fake-b"])
+    assert {j.name for j in scheduler.registry.jobs()} == {"mine", "b"}
+    with pytest.raises(pgjobs.ConfigError, match="entry_points: expected a list"):
+        pgjobs.Scheduler.from_config(path, database=engine, entry_points="fake-a")
+    with pytest.raises(pgjobs.ConfigError, match="a registry or entry_points, not both"):
+        pgjobs.Scheduler.from_config(
+            path, database=engine, registry=Registry.from_jobs([]), entry_points=[]
+        )
+
+    async def app_lifespan() -> set[str]:
+        async with pgjobs.lifespan(path, database=engine, entry_points=["fake-b"]) as state:
+            return {j.name for j in state["pgjobs"].registry.jobs()}
+
+    assert asyncio.run(app_lifespan()) == {"mine", "b"}
+
+
+def test_load_plugins_accepts_a_module_of_the_config(
+    tmp_path: Path, site: Path, modules: list[str]
+) -> None:
+    """``PGJOBS_LOAD_PLUGINS=myjobs``: just the application's own jobs."""
+    path = _app(tmp_path, modules, None)
+    config = load_config(path)
+    (mine,) = config.plugins
+    registry = Registry.load(config, env={"PGJOBS_LOAD_PLUGINS": mine})
+    assert [j.name for j in registry.jobs()] == ["mine"]
+    registry = Registry.load(config, env={"PGJOBS_DISABLE_PLUGINS": mine})
+    assert "mine" not in registry and "a" in registry
+
+
+def test_an_unknown_name_in_entry_points_names_the_file_and_the_key(
+    tmp_path: Path, site: Path, modules: list[str]
+) -> None:
+    path = _app(tmp_path, modules, '["fake-a", "fake-c"]')
+    with pytest.raises(pgjobs.ConfigError) as info:
+        Registry.load(load_config(path), env={})
+    message = str(info.value)
+    assert message.startswith(f"{path}: entry_points: no installed plugin named 'fake-c'")
+    assert "fake-a" in message.split("installed: ")[1]  # what there is to choose from
+    path.write_text('entry_points = "fake-a"\n')
+    with pytest.raises(pgjobs.ConfigError, match=r"pgjobs.toml: entry_points: expected a list"):
+        load_config(path)
+    with pytest.raises(pgjobs.ConfigError, match=r"entry_points: expected a list.*'fake-a'"):
+        Config(entry_points="fake-a")  # type: ignore[arg-type]  # an embedder's mistake
+
+
+def test_an_application_does_not_load_another_applications_installed_plugin(
+    tmp_path: Path, modules: list[str]
+) -> None:
+    """pgjobs-example is installed (as the README's command and CI install
+    it): an application whose pgjobs.toml says ``entry_points = []`` does not
+    load it; one that names it does."""
+    example = {"example-expire-sessions", "example-user-sessions"}
+    installed = Registry.load(load_config(_app(tmp_path, modules, None)), env={})
+    assert example <= {j.name for j in installed.jobs()}, "pgjobs-example is not installed"
+    alone = Registry.load(load_config(_app(tmp_path, modules, "[]")), env={})
+    assert [j.name for j in alone.jobs()] == ["mine"]
+    assert alone.plugins() == [alone.owner("mine")]
+    named = Registry.load(load_config(_app(tmp_path, modules, '["pgjobs-example"]')), env={})
+    assert example <= {j.name for j in named.jobs()}
+    assert named.owner("example-expire-sessions") == "pgjobs-example"
 
 
 # -- groups ------------------------------------------------------------------------------

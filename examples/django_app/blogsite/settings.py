@@ -63,6 +63,7 @@ DATABASES = {
 # pgjobs.toml's keys, as a dict: the jobs that keep author_stats.
 PGJOBS = {
     "namespace": "blog",
+    "entry_points": [],  # no installed plugin's jobs: only those below
     "shutdown_timeout": "10s",
     "jobs": {
         # Every 10 minutes, all authors from scratch; only the difference is written.

@@ -82,6 +82,10 @@ COUNTS_DDL = (
     " user_name text primary key,"
     " sessions integer not null,"
     " last_expires_at timestamptz not null)",
+    # when the worker last rewrote each user's row (its ``after`` callback)
+    "create table if not exists example_user_refresh ("
+    " user_name text primary key,"
+    " refreshed_at timestamptz not null)",
 )
 
 #: the full computation (the recompute's), and the same for some users (the worker's)
@@ -94,12 +98,32 @@ COUNTS_FOR_USERS = (
     " from example_session where user_name = any(:keys) group by user_name"
 )
 
+_MARK_REFRESHED = text(
+    "insert into example_user_refresh (user_name, refreshed_at)"
+    " select user_name, now() from unnest(cast(:users as text[])) as u(user_name)"
+    " on conflict (user_name) do update set refreshed_at = excluded.refreshed_at"
+)
+
+
+def mark_refreshed(conn: Connection, keys: list[tuple[str]], stats: pgjobs.DiffStats) -> None:
+    """The worker's ``after``: in the batch's transaction, once its rows are
+    written, record when each user's row was rewritten.
+
+    ``keys`` holds one tuple per item, the scope's values: ``[("u1",),
+    ("u2",)]``. Bind the user names, not the tuples (a list of tuples is
+    bound as records, which a ``text`` column refuses); sorted, so that
+    batches upsert in one order."""
+    users = sorted(user_name for (user_name,) in keys)
+    conn.execute(_MARK_REFRESHED, {"users": users})
+
+
 COUNT_WORKER = pgjobs.QueueJob(
     name="example-user-sessions",
     group="example-user-sessions",
     target="example_user_sessions",
     scope=("user_name",),
     compute=COUNTS_FOR_USERS,
+    after=mark_refreshed,
     every="30s",
     description="Sessions per user, for the users whose sessions changed.",
 )

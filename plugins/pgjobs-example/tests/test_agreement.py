@@ -56,6 +56,9 @@ def test_the_worker_and_the_recompute_agree_after_the_scenario(engine: Engine) -
     with engine.connect() as conn:
         users = conn.execute(text("select user_name from example_user_sessions order by 1"))
         assert [r[0] for r in users] == ["u0", "u2", "u4", "u5", "u6"]
+        # the worker's after() saw every user it processed, u1 and u3 (rows gone) too
+        refreshed = conn.execute(text("select user_name from example_user_refresh order by 1"))
+        assert [r[0] for r in refreshed] == [f"u{i}" for i in range(7)]
 
 
 def test_a_broken_incremental_path_is_caught(engine: Engine) -> None:
