@@ -10,13 +10,16 @@
 
 A database that cannot be reached is not this check's business (Django
 says so when it is used): nothing is reported. ``manage.py migrate`` runs
-the system checks with its database named before it applies anything: the
-pending migrations it is about to apply are not reported then.
+the system checks before it applies anything: the pending migrations it is
+about to apply are not reported then (the check looks for Django's migrate
+command on its call stack: the arguments Django passes do not tell it).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from types import FrameType
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Warning
@@ -59,7 +62,7 @@ def schema_check(
                 id="pgjobs.W002",
             )
         ]
-    if found.pending and databases is None:
+    if found.pending and not _in_migrate():
         return [
             Warning(
                 f"pgjobs' schema {found.installed.schema!r} is at version"
@@ -70,6 +73,21 @@ def schema_check(
             )
         ]
     return []
+
+
+def _in_migrate() -> bool:
+    """Is this check run by ``manage.py migrate`` (or a subclass of its
+    command, or ``call_command("migrate")``)? Django 5.2 runs the checks from
+    the command's ``handle()``, Django 6 from ``execute()``: a frame of
+    either has the command as ``self``."""
+    from django.core.management.commands.migrate import Command as Migrate
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Migrate):
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["schema_check"]
