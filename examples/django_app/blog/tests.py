@@ -3,11 +3,14 @@ the admin's pages and actions, and pgjobs' test helpers. TransactionTestCase:
 pgjobs works on connections of its own, which see committed rows only."""
 
 import json
+import threading
 
 from django.contrib.auth.models import Permission, User
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.test import TransactionTestCase
 
+from pgjobs import TaskJob
+from pgjobs.contrib.django.host import closing_connections
 from pgjobs.contrib.django.models import JobState, QueueItem
 from pgjobs.contrib.django.testing import PgJobsTestMixin
 
@@ -40,6 +43,25 @@ class HelpersTest(PgJobsTestMixin, TransactionTestCase):
             raise RuntimeError("the request failed")
         self.assertFalse(Post.objects.exists())
         self.assertFalse(QueueItem.objects.exists())
+
+    def test_a_job_body_using_the_orm_leaves_no_django_connection_open(self) -> None:
+        Author.objects.create(name="ann")
+        seen = {}
+
+        def body(conn):
+            seen["authors"] = Author.objects.count()  # opens this thread's connection
+            seen["open inside"] = connections["default"].connection is not None
+
+        job = closing_connections(TaskJob(name="orm-task", run=body, every="1h"))
+
+        def worker_thread() -> None:  # as the scheduler's threads run bodies
+            job.run(None)
+            seen["open after"] = connections["default"].connection is not None
+
+        thread = threading.Thread(target=worker_thread)
+        thread.start()
+        thread.join()
+        self.assertEqual(seen, {"authors": 1, "open inside": True, "open after": False})
 
     def test_the_helpers_refuse_inside_a_transaction(self) -> None:
         with transaction.atomic(), self.assertRaisesMessage(RuntimeError, "TransactionTestCase"):
