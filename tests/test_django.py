@@ -376,7 +376,7 @@ def _verbs(db_url: str) -> None:
 def test_the_admin_and_the_helpers_on_djangos_test_runner(db_url: str) -> None:
     done = manage(db_url, "test", "blog", "--noinput")
     assert done.returncode == 0, done.stderr
-    assert "Ran 7 tests" in done.stderr and "\nOK" in done.stderr
+    assert "Ran 8 tests" in done.stderr and "\nOK" in done.stderr
 
 
 def test_the_helpers_on_pytest_django(db_url: str) -> None:

@@ -5,6 +5,7 @@ pgjobs works on connections of its own, which see committed rows only."""
 import json
 import threading
 
+from asgiref.sync import async_to_sync
 from django.contrib.auth.models import Permission, User
 from django.db import connection, connections, transaction
 from django.test import TransactionTestCase
@@ -15,7 +16,7 @@ from pgjobs.contrib.django.models import JobState, QueueItem
 from pgjobs.contrib.django.testing import PgJobsTestMixin
 
 from .models import Author, AuthorStats, Post
-from .services import publish
+from .services import apublish, publish
 
 
 class HelpersTest(PgJobsTestMixin, TransactionTestCase):
@@ -43,6 +44,15 @@ class HelpersTest(PgJobsTestMixin, TransactionTestCase):
             raise RuntimeError("the request failed")
         self.assertFalse(Post.objects.exists())
         self.assertFalse(QueueItem.objects.exists())
+
+    def test_an_async_view_enqueues_with_aenqueue(self) -> None:
+        ann = Author.objects.create(name="ann")
+        async_to_sync(apublish)(ann.pk, "from an async view", 40)
+        self.assertEqual(
+            list(QueueItem.objects.values_list("job", "key")), [("author-stats-worker", [ann.pk])]
+        )
+        self.run_pending_jobs()
+        self.assertEqual(AuthorStats.objects.get(pk=ann.pk).words, 40)
 
     def test_a_job_body_using_the_orm_leaves_no_django_connection_open(self) -> None:
         Author.objects.create(name="ann")
