@@ -43,27 +43,29 @@ except ImportError:
 from pgjobs.contrib.django.conf import database_url
 from pgjobs.contrib.django.generate import differences, expected, module_name
 from pgjobs.errors import ConfigError
+from pgjobs.testing import fresh_database
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_app"
 TIMEOUT = 120  # the longest one manage.py command may take here (a loaded machine)
 
 
-def _env(db_url: str) -> dict[str, str]:
+def _env(db_url: str, **more: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         BLOG_DATABASE_URL=db_url,
         DJANGO_SETTINGS_MODULE="blogsite.settings",
         PGJOBS_LOAD_PLUGINS="",  # the example's jobs only, not installed plugins'
         PYTHONUNBUFFERED="1",
+        **more,
     )
     return env
 
 
-def manage(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def manage(db_url: str, *args: str, **more: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=EXAMPLE,
-        env=_env(db_url),
+        env=_env(db_url, **more),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -304,11 +306,13 @@ def test_enqueue_joins_the_transaction_and_manage_py_pgjobs_run_processes_it(
     _verbs(db_url)  # on the same database: one migrate less
 
 
-def _run_and_publish(db_url: str) -> None:
+def _run_and_publish(db_url: str, **more: str) -> None:
+    """``manage.py pgjobs run``; a publish() rolled back, one committed and
+    its stats written within a second; SIGTERM stops the worker."""
     worker = subprocess.Popen(
         [sys.executable, "manage.py", "pgjobs", "run", "--shutdown-timeout", "5s"],
         cwd=EXAMPLE,
-        env=_env(db_url),
+        env=_env(db_url, **more),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -316,7 +320,7 @@ def _run_and_publish(db_url: str) -> None:
     lines = _Lines(worker)
     try:
         assert lines.wait_for("pgjobs: running 2 job(s)", TIMEOUT), "".join(lines.lines)
-        done = manage(db_url, "shell", "-c", _PUBLISH)
+        done = manage(db_url, "shell", "-c", _PUBLISH, **more)
         assert done.returncode == 0, done.stderr
         found = json.loads(done.stdout.strip().splitlines()[-1])
         # rolled back: neither the post nor the item
@@ -370,6 +374,20 @@ def _verbs(db_url: str) -> None:
     bogus = manage(db_url, "pgjobs", "migrate")
     assert bogus.returncode == 2
     assert "no verb 'migrate' here" in bogus.stderr
+
+
+@pytest.mark.needs("pgbouncer")
+def test_behind_pgbouncer_in_transaction_mode(pg_server: str, tmp_path: Path) -> None:
+    """DATABASES pointing at a PgBouncer in transaction mode, with Django's
+    DISABLE_SERVER_SIDE_CURSORS: migrate, enqueue and the worker go through
+    it, and pgjobs leaves no prepared statement in its server sessions."""
+    from test_pgbouncer import assert_no_prepared_statements, pgbouncer
+
+    with fresh_database(pg_server) as direct, pgbouncer(direct, tmp_path) as bouncer:
+        done = manage(bouncer.url, "migrate", "--noinput", BLOG_TRANSACTION_POOLING="1")
+        assert done.returncode == 0, done.stderr
+        _run_and_publish(bouncer.url, BLOG_TRANSACTION_POOLING="1")
+        assert_no_prepared_statements(bouncer)
 
 
 # -- the example's own tests: the admin and the helpers --------------------------------

@@ -1,7 +1,8 @@
 """Settings of the example: a blog whose per-author figures pgjobs keeps.
 
 The database: ``$BLOG_DATABASE_URL`` (default
-``postgresql://postgres@127.0.0.1:5432/blog``).
+``postgresql://postgres@127.0.0.1:5432/blog``); ``$BLOG_TRANSACTION_POOLING=1``
+when that is a PgBouncer in transaction mode.
 """
 
 import os
@@ -57,6 +58,9 @@ DATABASES = {
         "PASSWORD": unquote(_url.password or ""),
         "HOST": _url.hostname or "",
         "PORT": _url.port or "",
+        # behind PgBouncer in transaction mode (Django's own setting for it;
+        # pgjobs then prepares no statement either)
+        "DISABLE_SERVER_SIDE_CURSORS": os.environ.get("BLOG_TRANSACTION_POOLING") == "1",
     }
 }
 

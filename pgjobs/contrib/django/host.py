@@ -64,10 +64,14 @@ def preset(settings: Settings | None = None) -> Preset:
 @contextmanager
 def engine(settings: Settings | None = None) -> Iterator[Engine]:
     """An engine of pgjobs' own on the database of ``PGJOBS["using"]``
-    (disposed of after the block), with the config's ``call_timeout``."""
+    (disposed of after the block), with the config's ``call_timeout``, and
+    no prepared statements where ``PGJOBS["transaction_pooling"]`` says a
+    transaction pooler is in between."""
     settings = settings or load()
     with engine_for(
-        url_of(settings.using), call_timeout=settings.config.call_timeout.total_seconds()
+        url_of(settings.using),
+        call_timeout=settings.config.call_timeout.total_seconds(),
+        pooled=settings.transaction_pooling or None,
     ) as made:
         yield made
 

@@ -49,6 +49,7 @@ class ApplyMigration(Operation):
             self.name,
             schema=settings.config.schema,
             call_timeout=settings.config.call_timeout.total_seconds(),
+            pooled=settings.transaction_pooling or None,
         )
 
     def database_backwards(
@@ -60,7 +61,9 @@ class ApplyMigration(Operation):
         return f"pgjobs' migration {self.name} (pgjobs/sql/{self.name}.sql)"
 
 
-def apply(url: str, name: str, *, schema: str, call_timeout: float) -> list[str]:
+def apply(
+    url: str, name: str, *, schema: str, call_timeout: float, pooled: bool | None = None
+) -> list[str]:
     """Apply pgjobs' migrations up to ``name`` that ``schema`` lacks; the names applied."""
     shipped = pgjobs_migrations.migrations()
     names = [m.name for m in shipped]
@@ -70,7 +73,10 @@ def apply(url: str, name: str, *, schema: str, call_timeout: float) -> list[str]
             " pgjobs-derived; install the release that generated it"
         )
     upto = shipped[: names.index(name) + 1]
-    with engine_for(url, call_timeout=call_timeout) as engine, engine.connect() as conn:
+    with (
+        engine_for(url, call_timeout=call_timeout, pooled=pooled) as engine,
+        engine.connect() as conn,
+    ):
         with conn.begin():
             installed = pgjobs_migrations.read(conn, schema)
         if upto[-1].number in installed.versions:
