@@ -73,16 +73,16 @@ def enqueue(
     """
     from django.db import DatabaseError, connections
 
-    from .conf import load
+    from .conf import target
 
-    settings = load()
-    schema = schema or settings.config.schema
+    alias, configured = target()
+    schema = schema or configured
     call = enqueue_call(job, keys, schema)
     if call is None:
         return 0
     query, params = call
     try:
-        with connections[using or settings.using].cursor() as cursor:
+        with connections[using or alias].cursor() as cursor:
             # composed once by psycopg 3 (identifiers quoted), sent by
             # whichever driver Django uses
             cursor.execute(query.as_string(None), params)

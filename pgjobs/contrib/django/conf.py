@@ -24,6 +24,7 @@ from sqlalchemy.engine import URL
 
 from ...config import Config, parse_config
 from ...errors import ConfigError
+from ...store import DEFAULT_SCHEMA
 
 SETTING = "PGJOBS"
 #: the keys of ``PGJOBS`` that are not ``pgjobs.toml``'s
@@ -93,6 +94,22 @@ def load() -> Settings:
     return Settings(config=config, using=using, transaction_pooling=pooling)
 
 
+def target() -> tuple[str, str]:
+    """``(alias, schema)`` from ``settings.PGJOBS``, without parsing the
+    jobs: what :func:`~pgjobs.contrib.django.enqueue` needs on each call (a
+    request's enqueue reads no SQL file)."""
+    from django.conf import settings
+
+    raw = getattr(settings, SETTING, {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"settings.{SETTING}: expected a dict, got {raw!r}")
+    using, schema = raw.get("using", "default"), raw.get("schema", DEFAULT_SCHEMA)
+    for key, value in (("using", using), ("schema", schema)):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"settings.{SETTING}: {key}: expected a name, got {value!r}")
+    return using, schema
+
+
 def database_url(settings_dict: dict[str, Any], *, alias: str = "default") -> str:
     """A ``postgresql+psycopg://`` URL for the database of one entry of
     ``DATABASES`` (Django's ``connections[alias].settings_dict``, which names
@@ -137,4 +154,13 @@ def url_of(using: str) -> str:
     return database_url(connections[using].settings_dict, alias=using)
 
 
-__all__ = ["ENGINES", "OWN_KEYS", "SETTING", "Settings", "database_url", "load", "url_of"]
+__all__ = [
+    "ENGINES",
+    "OWN_KEYS",
+    "SETTING",
+    "Settings",
+    "database_url",
+    "load",
+    "target",
+    "url_of",
+]
