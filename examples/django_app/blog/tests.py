@@ -100,11 +100,16 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         "/admin/pgjobs/run/",
     )
 
-    def act(self, action: str, job: str, *keys: str) -> None:
+    def act(self, action: str, job: str, *keys: str) -> str:
+        """Post one action; the page it leads back to (with its message)."""
         response = self.client.post(
-            "/admin/pgjobs/jobstate/act/", {"action": action, "job": job, "key": list(keys)}
+            "/admin/pgjobs/jobstate/act/",
+            {"action": action, "job": job, "key": list(keys)},
+            follow=True,
         )
-        self.assertEqual(response.status_code, 302, response.content[:500])
+        self.assertEqual(response.redirect_chain[0][1], 302)
+        self.assertEqual(response.status_code, 200)
+        return response.content.decode()
 
     def test_staff_see_every_page_others_do_not(self) -> None:
         publish(self.ann.pk, "hello", 120)
@@ -149,8 +154,11 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         self.assertIn("paused since", self.client.get("/admin/pgjobs/jobstate/").content.decode())
         self.act("resume", "author-stats-worker")
         self.assertIsNone(JobState.objects.get(pk="author-stats-worker").paused_at)
-        self.act("once", "author-stats-worker")
+        ran = self.act("once", "author-stats-worker")
+        self.assertIn("author-stats-worker: ran in", ran)
         self.assertEqual(AuthorStats.objects.get(pk=self.ann.pk).words, 120)
+        checked = self.act("check", "author-stats")
+        self.assertIn("author-stats: no drift: a recompute would insert 0, update 0", checked)
         self.assertFalse(QueueItem.objects.exists())
         runs = self.client.get("/admin/pgjobs/run/").content.decode()
         self.assertIn('<td class="field-outcome">ran</td>', runs)

@@ -85,15 +85,11 @@ def act(action: str, job: str, keys: list[str], *, by: str = "") -> str:
                 force=True,
                 auto_migrate=given.config.auto_migrate,
             )
-        return f"pgjobs: {job}: {_summary(result)}"
+        return f"pgjobs: {_summary(result)}"
     assert action == "check", action
     with engine(settings) as made:
         found = api.check(registry.get(job), made, schema=given.config.schema)
-    stats = found.stats
-    return (
-        f"pgjobs: {job}: {'drift' if found.drift else 'no drift'}"
-        f" (+{stats.inserted:,} ~{stats.updated:,} -{stats.deleted:,} rows a recompute would write)"
-    )
+    return f"pgjobs: {found.headline()}"  # the first line of `pgjobs check`
 
 
 class _Operated(_ReadOnly):
