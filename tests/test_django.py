@@ -306,9 +306,9 @@ def test_enqueue_joins_the_transaction_and_manage_py_pgjobs_run_processes_it(
     _verbs(db_url)  # on the same database: one migrate less
 
 
-def _run_and_publish(db_url: str, **more: str) -> None:
+def _run_and_publish(db_url: str, *, within: float = 1.0, **more: str) -> None:
     """``manage.py pgjobs run``; a publish() rolled back, one committed and
-    its stats written within a second; SIGTERM stops the worker."""
+    its stats written within ``within`` seconds; SIGTERM stops the worker."""
     worker = subprocess.Popen(
         [sys.executable, "manage.py", "pgjobs", "run", "--shutdown-timeout", "5s"],
         cwd=EXAMPLE,
@@ -327,9 +327,9 @@ def _run_and_publish(db_url: str, **more: str) -> None:
         assert found["rolled_back"] == {"posts": 0, "queued": 0}
         # inside the transaction the item is queued, on Django's connection
         assert (found["queued"], found["inside"]) == (1, 1)
-        # committed: the worker wrote the author's row within a second
+        # committed: the worker wrote the author's row in time
         assert found["stats"] == {"posts": 1, "words": 120}
-        assert found["seconds"] < 1.0, found
+        assert found["seconds"] < within, found
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT) == 0
         lines.thread.join(TIMEOUT)
@@ -386,7 +386,9 @@ def test_behind_pgbouncer_in_transaction_mode(pg_server: str, tmp_path: Path) ->
     with fresh_database(pg_server) as direct, pgbouncer(direct, tmp_path) as bouncer:
         done = manage(bouncer.url, "migrate", "--noinput", BLOG_TRANSACTION_POOLING="1")
         assert done.returncode == 0, done.stderr
-        _run_and_publish(bouncer.url, BLOG_TRANSACTION_POOLING="1")
+        # no LISTEN behind a transaction pooler: the worker polls at its
+        # every = "1s" (docs/how-to/pgbouncer.md), not woken by the enqueue
+        _run_and_publish(bouncer.url, within=5.0, BLOG_TRANSACTION_POOLING="1")
         assert_no_prepared_statements(bouncer)
 
 
