@@ -12,6 +12,7 @@ skipped without it on a developer's machine, failed in CI
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -400,6 +401,10 @@ def test_the_admin_and_the_helpers_on_djangos_test_runner(db_url: str) -> None:
 
 
 def test_the_helpers_on_pytest_django(db_url: str) -> None:
+    if importlib.util.find_spec("pytest_django") is None:
+        if required():
+            pytest.fail("needs pytest-django (the test extra has it)", pytrace=False)
+        pytest.skip("needs pytest-django, not installed: pip install pytest-django")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "check_with_pytest.py"],
         cwd=EXAMPLE,
