@@ -5,7 +5,7 @@ pytest-django in a subprocess of its own, so that this suite's process
 never configures Django (pytest-django stays inert here: no
 ``DJANGO_SETTINGS_MODULE``).
 
-Needs Django (``pip install 'pgjobs-derived[django]' pytest-django``):
+Needs Django (``pip install -e '.[django]' pytest-django``):
 skipped without it on a developer's machine, failed in CI
 (``$PGJOBS_TEST_REQUIRE_EXTRAS=1``), whose ``test`` extra has both.
 """
@@ -37,7 +37,7 @@ except ImportError:
     if required():
         raise
     pytest.skip(
-        "needs Django, not installed: pip install 'pgjobs-derived[django]' pytest-django",
+        "needs Django, not installed: pip install -e '.[django]' pytest-django (the test extra has both)",
         allow_module_level=True,
     )
 
