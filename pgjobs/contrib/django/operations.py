@@ -39,10 +39,14 @@ class ApplyMigration(Operation):
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
+        from django.db import router
+
         settings = load()
         connection = schema_editor.connection
         if connection.alias != settings.using:
             return  # pgjobs lives in one database
+        if not router.allow_migrate(connection.alias, app_label):
+            return  # the project's database routers say no, as RunSQL obeys them
         url = database_url(connection.settings_dict, alias=connection.alias)
         apply(
             url,
