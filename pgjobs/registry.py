@@ -19,6 +19,7 @@ Each step's reasons: ``docs/DESIGN.md``, "Config and plugins".
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import logging
@@ -139,11 +140,9 @@ class Registry:
         """A copy whose jobs are ``change(job)``, each keeping its owner (a
         host application wraps the jobs' bodies: ``pgjobs.contrib.django``
         closes Django's connections around them)."""
-        copy = type(self)()
-        copy._pm, copy._owners, copy._filtered = self._pm, self._owners, self._filtered
-        for name, entry in self._entries.items():
-            copy._entries[name] = replace(entry, job=change(entry.job))
-        return copy
+        changed = copy.copy(self)  # the plugins and owners shared, the jobs its own
+        changed._entries = {n: replace(e, job=change(e.job)) for n, e in self._entries.items()}
+        return changed
 
     def _load_entry_points(
         self,
