@@ -119,7 +119,7 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
                 response = self.client.get(page)
                 self.assertEqual(response.status_code, 200)
         jobs = self.client.get("/admin/pgjobs/jobstate/").content.decode()
-        self.assertIn("author-stats-worker", jobs)
+        self.assertIn('href="/admin/pgjobs/run/?job=author-stats-worker"', jobs)  # its runs
         self.assertIn("Run once", jobs)
 
         self.client.logout()
