@@ -31,6 +31,8 @@ after it are skipped by the server (``PIPELINE_ABORTED``), COMMIT too.
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,11 +45,24 @@ from psycopg.waiting import Ready, Wait
 
 from .deadline import BoundedConnection, abandon_connection
 
-_PostgresQuery: Any
-try:  # psycopg's converter of placeholders (what its cursors use)
-    from psycopg._queries import PostgresQuery as _PostgresQuery
-except ImportError:  # pragma: no cover - psycopg moved it: its cursors' way then
-    _PostgresQuery = None
+log = logging.getLogger(__name__)
+
+#: set (not "0"): pgjobs sends its round trips through psycopg's cursors, as
+#: it must where psycopg no longer has ``_queries.PostgresQuery`` (read at
+#: import; a way back should a psycopg release change what this module takes
+#: from it, and how the tests run that path: tests/test_wire.py, .ci/lowest)
+FALLBACK_ENV = "PGJOBS_WIRE_FALLBACK"
+
+_PostgresQuery: Any = None
+if os.environ.get(FALLBACK_ENV, "") in ("", "0"):
+    try:  # psycopg's converter of placeholders (what its cursors use): private
+        from psycopg._queries import PostgresQuery as _PostgresQuery
+    except ImportError:  # psycopg moved it: its cursors' way then (usable() says no)
+        log.warning(
+            "pgjobs: psycopg %s has no _queries.PostgresQuery; pgjobs' round trips"
+            " go through psycopg's cursors (slower, the same answers)",
+            psycopg.__version__,
+        )
 
 #: a statement is prepared at this run on a session (psycopg's default is
 #: the sixth: pgjobs' statements are those of jobs that run again and again)
@@ -306,4 +321,4 @@ def _outcome(tx: Any, result: Any, encoding: str) -> Result:
     return Result(n, tx.load_rows(0, n, tuple), source=(result, encoding))
 
 
-__all__ = ["MAX_PREPARED", "PREPARE_AT", "Result", "forget", "round_trip", "usable"]
+__all__ = ["FALLBACK_ENV", "MAX_PREPARED", "PREPARE_AT", "Result", "forget", "round_trip", "usable"]

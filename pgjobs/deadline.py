@@ -41,6 +41,7 @@ the server to cancel the running statement first, within a bound.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import socket
@@ -73,6 +74,14 @@ except ImportError:  # pragma: no cover - psycopg moved it
     _WAIT_INTERVAL = 0.1
 
 _WaitTimeout: type[BaseException] = getattr(errors, "_WaitTimeout", errors.OperationalError)
+
+if "timeout" not in inspect.signature(psycopg.Connection.wait).parameters:
+    # psycopg before 3.3.6: its wait loop has no deadline to enforce, and
+    # every round trip would fail on the argument (pyproject.toml says so too)
+    raise ImportError(
+        f"pgjobs needs psycopg >= 3.3.6, whose Connection.wait() takes a timeout"
+        f" (the deadline of each round trip); psycopg {psycopg.__version__} is installed"
+    )
 
 
 class DeadlineExceeded(psycopg.OperationalError):

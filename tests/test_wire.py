@@ -5,6 +5,10 @@ statements before it answered. On a real server, one connection each."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -243,3 +247,111 @@ def test_a_statement_that_does_not_convert_sends_nothing(raw: psycopg.Connection
     outcomes, error = _wire.round_trip(raw, [("select to_regclass('never') is null", None)])
     assert error is None and outcomes[0] is not None and outcomes[0].rows == [(True,)]
     raw.rollback()
+
+
+def test_without_psycopgs_converter_a_queue_tick_goes_through_its_cursors(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback (psycopg without ``_queries.PostgresQuery``, or
+    $PGJOBS_WIRE_FALLBACK set): the tick takes psycopg's cursors and
+    pipeline, never this module's round trip, with the same outcome."""
+    monkeypatch.setattr(_wire, "_PostgresQuery", None)
+
+    def never(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the round trip ran without psycopg's converter")
+
+    monkeypatch.setattr(_wire, "round_trip", never)
+    engine = create_engine(db_url, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("create table item (id int primary key)"))
+            conn.execute(text("create table derived (id int primary key references item, v int)"))
+            conn.execute(text("insert into item select generate_series(1, 5)"))
+        job = pgjobs.QueueJob(
+            name="w",
+            target="derived",
+            scope="id",
+            compute="select id, id * 10 as v from item where id = any(:keys)",
+            every="1h",
+        )
+        with pgjobs.Runner(engine) as runner:
+            runner.install()
+            for items in ([1], [2, 3], [5]):
+                with engine.begin() as conn:
+                    assert not _wire.usable(conn.connection.driver_connection)
+                    pgjobs.enqueue(conn, job, items)
+                result = runner.tick(job, woken=True)
+                assert result.outcome == "ran" and result.items == len(items), result
+        with engine.connect() as conn:
+            rows = conn.execute(text("select id, v from derived order by 1")).all()
+        assert rows == [(1, 10), (2, 20), (3, 30), (5, 50)]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("setup", "env", "warned"),
+    [
+        # psycopg without the private class (moved, renamed): pgjobs says so
+        ("import psycopg._queries as q; del q.PostgresQuery", {}, True),
+        # forced: nothing to warn about
+        ("", {_wire.FALLBACK_ENV: "1"}, False),
+        # "0" is not set
+        ("", {_wire.FALLBACK_ENV: "0"}, None),
+    ],
+    ids=["psycopg-moved-it", "forced", "zero-is-unset"],
+)
+def test_the_fallback_is_taken_at_import(
+    setup: str, env: dict[str, str], warned: bool | None
+) -> None:
+    """Whether pgjobs._wire finds psycopg's converter, in a fresh interpreter:
+    none where psycopg's ``_queries`` has no ``PostgresQuery``, or where
+    the fallback is forced."""
+    program = f"""{setup}
+import logging
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+from pgjobs import _wire
+print("converter:", _wire._PostgresQuery is not None)
+"""
+    environ = {k: v for k, v in os.environ.items() if k != _wire.FALLBACK_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == f"converter: {warned is None}"
+    assert ("has no _queries.PostgresQuery" in done.stderr) is bool(warned), done.stderr
+
+
+def test_what_pgjobs_takes_from_psycopgs_private_surface_is_there(
+    raw: psycopg.Connection[Any],
+) -> None:
+    """The names pgjobs takes from psycopg outside its documented API
+    (docs/DESIGN.md, "What pgjobs takes from its dependencies' insides"),
+    each checked by name: a psycopg release that renames one fails here,
+    saying which, also where pgjobs has a way around it that would
+    otherwise hide the change (a fallback, a getattr default)."""
+    from psycopg import _queries, connection, errors
+
+    missing = [
+        what
+        for what, there in [
+            ("psycopg._queries.PostgresQuery", hasattr(_queries, "PostgresQuery")),
+            (
+                "Connection.wait(gen, interval, timeout)",
+                list(inspect.signature(psycopg.Connection.wait).parameters)
+                == ["self", "gen", "interval", "timeout"],
+            ),
+            ("psycopg.errors._WaitTimeout", hasattr(errors, "_WaitTimeout")),
+            ("psycopg.connection._WAIT_INTERVAL", hasattr(connection, "_WAIT_INTERVAL")),
+            ("Connection._deallocate", hasattr(psycopg.Connection, "_deallocate")),
+            ("Connection._get_tx_start_command", hasattr(raw, "_get_tx_start_command")),
+            ("Connection._pipeline", hasattr(raw, "_pipeline")),
+            ("Connection.lock", hasattr(raw, "lock")),
+        ]
+        if not there
+    ]
+    assert missing == []
