@@ -128,14 +128,25 @@ class Heartbeat:
             self._try_beat()
 
     def _try_beat(self) -> None:
+        """One beat; the first that fails says so at WARNING (a missing
+        table, a permission, a statement timeout are not the database being
+        away, which the scheduler says too), the next ones at DEBUG, and the
+        first that gets through again says so."""
         try:
             self.beat()
         except Exception as exc:
-            # the scheduler's one line says when the database is away
             if not self._failing:
-                log.debug("pgjobs: heartbeat not recorded (%s)", first_line(exc))
+                log.warning(
+                    "pgjobs: heartbeat not recorded (%s); other schedulers and `pgjobs status`"
+                    " will see this one as gone quiet until it is",
+                    first_line(exc),
+                )
+            else:
+                log.debug("pgjobs: heartbeat not recorded again (%s)", first_line(exc))
             self._failing = True
         else:
+            if self._failing:
+                log.warning("pgjobs: heartbeat recorded again")
             self._failing = False
 
 

@@ -114,9 +114,9 @@ class Listener:
                     if self.on_back is not None:
                         self.on_back(_server(self._conn))
                     for job in self.channels.values():
-                        self.wake(job)
+                        self._wake(job)
                 self._receive(self._conn)
-            except Exception as exc:  # the connection, or the server, is gone
+            except Exception as exc:  # the connection, or the server, is gone (wakes: _wake)
                 self.listening.clear()
                 if not self._stop.is_set() and not lost:
                     lost = True
@@ -166,7 +166,15 @@ class Listener:
             for name in names:
                 job = self.channels.get(name)
                 if job is not None:
-                    self.wake(job)
+                    self._wake(job)
+
+    def _wake(self, job: str) -> None:
+        """``wake(job)``; what it raises is its bug, not a lost connection:
+        logged, and the listener listens on (the job polls meanwhile)."""
+        try:
+            self.wake(job)
+        except Exception:
+            log.exception("pgjobs: waking %s on its enqueue failed; listening on", job)
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None

@@ -60,6 +60,13 @@ def recompute_lock_name(namespace: str, group: str) -> str:
     return f"{namespace}:{group}:recompute"
 
 
+def verify_lock_name(namespace: str, group: str) -> str:
+    """The lock a scheduled verification (``verify_every``) of ``group``
+    holds at session level while it checks: replicas take turns, never the
+    full check at once."""
+    return f"{lock_name(namespace, group)}:verify"
+
+
 def try_session_lock(conn: Connection, name: str) -> int | None:
     """The lock ``name`` (see :func:`lock_name`) at session level, held across
     commits by chunked writes: the server process holding it
@@ -86,4 +93,5 @@ __all__ = [
     "recompute_lock_name",
     "release_session_lock",
     "try_session_lock",
+    "verify_lock_name",
 ]

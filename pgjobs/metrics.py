@@ -8,15 +8,16 @@ Two kinds of figures:
 
   ==========================================  ===================================
   ``pgjobs_runs_total{job,outcome}``          ticks by outcome: ran, failed,
-                                              interrupted, idle, busy, not_due,
-                                              backing_off, paused, cancelled,
-                                              checked
+                                              interrupted, transient, idle, busy,
+                                              not_due, backing_off, paused,
+                                              cancelled, checked
   ``pgjobs_run_duration_seconds{job}``        wall time of the runs that ran or failed
   ``pgjobs_run_phase_seconds{job,phase}``     compute, write, row_locks (first row
                                               lock to the end of the writes)
   ``pgjobs_rows_total{job,change}``           inserted, updated, deleted,
                                               skipped (parent gone), deferred
-  ``pgjobs_queue_items_total{job,result}``    processed, failed, parent_gone
+  ``pgjobs_queue_items_total{job,result}``    processed, failed, parent_gone,
+                                              locked
   ``pgjobs_queue_lag_seconds{job}``           enqueue to processed, per item
   ``pgjobs_repaired_rows_total{job,change}``  rows a recompute wrote on a target
                                               that queue workers maintain: what
@@ -110,7 +111,7 @@ LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.
 
 OUTCOMES = tuple(str(o) for o in Outcome)
 CHANGES = ("inserted", "updated", "deleted", "skipped", "deferred")
-ITEM_RESULTS = ("processed", "failed", "parent_gone")
+ITEM_RESULTS = ("processed", "failed", "parent_gone", "locked")
 REPAIRS = ("inserted", "updated", "deleted")
 DRIFT = (
     ("inserted", "inserted"),
@@ -141,8 +142,8 @@ class Metrics:
             ProcessCollector(registry=r)
         self.runs = Counter(
             "pgjobs_runs",
-            "Ticks of each job by outcome (ran, failed, interrupted, idle, busy, not_due,"
-            " backing_off, paused, cancelled, checked).",
+            "Ticks of each job by outcome (ran, failed, interrupted, transient, idle, busy,"
+            " not_due, backing_off, paused, cancelled, checked).",
             ["job", "outcome"],
             registry=r,
         )
@@ -170,7 +171,8 @@ class Metrics:
         )
         self.items = Counter(
             "pgjobs_queue_items",
-            "Queue items taken by the worker: processed, failed, parent_gone (dropped).",
+            "Queue items taken by the worker: processed, failed, parent_gone (dropped),"
+            " locked (left queued for a lock someone holds).",
             ["job", "result"],
             registry=r,
         )
@@ -230,6 +232,8 @@ class Metrics:
             ("processed", result.items),
             ("failed", result.failed_items),
             ("parent_gone", int(detail.get("parent_gone", 0) or 0)),
+            # left queued for a lock someone holds (not failed: retried soon)
+            ("locked", int(detail.get("locked", 0) or 0)),
         ):
             if n:
                 self.items.labels(job, name).inc(n)

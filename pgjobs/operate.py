@@ -333,6 +333,8 @@ class Revived:
     revived: int
     #: of the keys given, those that were not dead (pending, or not queued)
     not_dead: int
+    #: items that waited for their retry, due now (``retrying``)
+    retried: int = 0
 
 
 def revive(
@@ -342,9 +344,12 @@ def revive(
     texts: Sequence[str] | None,
     *,
     as_json: bool = False,
+    retrying: bool = False,
 ) -> Revived:
     """``pgjobs revive``: the job's dead items (those of ``texts``, else all)
-    due again now, with their attempts reset; the job's schedulers are woken."""
+    due again now, with their attempts reset; the job's schedulers are woken.
+    ``retrying``: the items waiting for their retry after a failure too, due
+    now with their attempts kept (``revive --retrying``)."""
     with _transaction(engine, store) as conn:
         only, params = sql.SQL(""), [job.name]
         stored: list[str] = []
@@ -362,9 +367,23 @@ def revive(
             ).format(store.table("queue"), only),
             params,
         ).rowcount
-        if count:
+        retried = 0
+        if retrying:
+            retried = execute(
+                conn,
+                sql.SQL(
+                    "update {} set not_before = now() where job = %s and dead_at is null"
+                    " and attempts > 0 and not_before > now(){}"
+                ).format(store.table("queue"), only),
+                params,
+            ).rowcount
+        if count or retried:
             execute(conn, "select pg_notify(%s, '')", (channel(store.schema, job.name),))
-    return Revived(revived=count, not_dead=len(stored) - count if texts else 0)
+    return Revived(
+        revived=count,
+        not_dead=len(stored) - count - retried if texts else 0,
+        retried=retried,
+    )
 
 
 class Operator:
@@ -407,13 +426,22 @@ class Operator:
             f" {done.revived} revived); {done.pending} pending already"
         )
 
-    def revive(self, name: str, keys: Sequence[str], *, as_json: bool) -> str:
+    def revive(
+        self, name: str, keys: Sequence[str], *, as_json: bool, retrying: bool = False
+    ) -> str:
         job = queue_job(self.registry.get(name))
         with self._engine() as engine:
-            done = revive(engine, self.store, job, list(keys) or None, as_json=as_json)
+            done = revive(
+                engine, self.store, job, list(keys) or None, as_json=as_json, retrying=retrying
+            )
         line = f"pgjobs: {name}: revived {done.revived} dead item(s)"
+        if retrying:
+            line += f", {done.retried} waiting for their retry (due now)"
         if done.not_dead:
-            line += f"; {done.not_dead} of the keys given were not dead (pending or not queued)"
+            waiting = "dead nor waiting for a retry" if retrying else "dead"
+            line += (
+                f"; {done.not_dead} of the keys given were not {waiting} (pending or not queued)"
+            )
         return line
 
 

@@ -24,11 +24,14 @@ created by ``pgjobs.install(database)`` or by any job's first tick.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import math
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import date, datetime
@@ -293,16 +296,37 @@ def install_enqueue_trigger(
     enqueue the old and the new key. Statement-level triggers with
     transition tables: a bulk statement enqueues its keys in one upsert.
     Idempotent (re-installing replaces the triggers); runs in the caller's
-    transaction. Remove with :func:`drop_enqueue_trigger`. Async code
-    awaits :func:`install_enqueue_trigger_async`.
+    transaction. Its DDL takes the table's SHARE ROW EXCLUSIVE lock
+    (CREATE TRIGGER), ACCESS EXCLUSIVE when it replaces triggers (DROP
+    TRIGGER): each attempt waits at most :data:`TRIGGER_LOCK_WAIT` for it
+    (the table's writers, or readers too, would queue behind a longer
+    wait: PostgreSQL grants locks in order), under a savepoint, and is
+    retried with backoff for :data:`TRIGGER_RETRY_FOR`, then
+    :class:`~pgjobs.PgJobsError`. Remove with :func:`drop_enqueue_trigger`.
+    Async code awaits :func:`install_enqueue_trigger_async`.
     """
     name = job.name if isinstance(job, Queued) else job
     cols = _trigger_columns(columns, job)
     raw = _raw(conn)
     query, params = _columns_query(raw, table)
     _check_columns(table, cols, raw.execute(query, params).fetchall())
-    for statement in _trigger_statements(name, table, cols, schema):
-        raw.execute(statement)
+    statements = _trigger_statements(name, table, cols, schema)
+    before = raw.execute(_LOCK_TIMEOUT_NOW).fetchone()
+    deadline = time.monotonic() + TRIGGER_RETRY_FOR
+    for attempt in itertools.count(1):
+        # each attempt under a savepoint (a transaction of its own in
+        # autocommit): a lock timeout undoes it alone, never the caller's work
+        try:
+            with raw.transaction():
+                raw.execute(_SET_LOCK_TIMEOUT, (_trigger_wait(),))
+                for statement in statements:
+                    raw.execute(statement)
+        except errors.LockNotAvailable:
+            time.sleep(_trigger_retry(table, attempt, deadline))
+            continue
+        break
+    # the caller's own lock_timeout again, for the rest of its transaction
+    raw.execute(_SET_LOCK_TIMEOUT, (before[0] if before else "0",))
 
 
 async def install_enqueue_trigger_async(
@@ -319,8 +343,57 @@ async def install_enqueue_trigger_async(
     raw = await _araw(conn)
     query, params = _columns_query(raw, table)
     _check_columns(table, cols, await (await raw.execute(query, params)).fetchall())
-    for statement in _trigger_statements(name, table, cols, schema):
-        await raw.execute(statement)
+    statements = _trigger_statements(name, table, cols, schema)
+    before = await (await raw.execute(_LOCK_TIMEOUT_NOW)).fetchone()
+    deadline = time.monotonic() + TRIGGER_RETRY_FOR
+    for attempt in itertools.count(1):  # as install_enqueue_trigger does
+        try:
+            async with raw.transaction():
+                await raw.execute(_SET_LOCK_TIMEOUT, (_trigger_wait(),))
+                for statement in statements:
+                    await raw.execute(statement)
+        except errors.LockNotAvailable:
+            await asyncio.sleep(_trigger_retry(table, attempt, deadline))
+            continue
+        break
+    await raw.execute(_SET_LOCK_TIMEOUT, (before[0] if before else "0",))
+
+
+#: how long one attempt of :func:`install_enqueue_trigger` waits for the
+#: table's lock: CREATE TRIGGER takes SHARE ROW EXCLUSIVE (DROP TRIGGER of
+#: one that exists, ACCESS EXCLUSIVE), and a request queued behind a long
+#: transaction holds every later writer (or reader) of the table behind it
+#: (PostgreSQL grants locks in order)
+TRIGGER_LOCK_WAIT = 2.0
+#: how long attempts that found the table's lock taken are retried (with
+#: backoff, a log line each) before the lock timeout is raised
+TRIGGER_RETRY_FOR = 60.0
+_LOCK_TIMEOUT_NOW = "select current_setting('lock_timeout')"
+_SET_LOCK_TIMEOUT = "select set_config('lock_timeout', %s, true)"
+
+
+def _trigger_wait() -> str:
+    return f"{max(1, int(TRIGGER_LOCK_WAIT * 1000))}ms"
+
+
+def _trigger_retry(table: str, attempt: int, deadline: float) -> float:
+    """The wait before another attempt at ``table``'s triggers (0.1 s doubling
+    to 5 s), said in a log line; raises when the next would pass ``deadline``."""
+    delay = min(0.1 * 2.0 ** (attempt - 1), 5.0)
+    if time.monotonic() + delay > deadline:
+        raise PgJobsError(
+            f"install_enqueue_trigger: {table} stayed locked by other transactions for"
+            f" {TRIGGER_RETRY_FOR:g} s ({attempt} attempts of {TRIGGER_LOCK_WAIT:g} s);"
+            " nothing was changed"
+        )
+    log.warning(
+        "pgjobs: install_enqueue_trigger: %s is locked by another transaction (attempt %d);"
+        " trying again in %.1f s",
+        table,
+        attempt,
+        delay,
+    )
+    return delay
 
 
 def drop_enqueue_trigger(conn: AnyConnection, *, table: str, job: str | Queued) -> None:
@@ -469,6 +542,8 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
 
 
 __all__ = [
+    "TRIGGER_LOCK_WAIT",
+    "TRIGGER_RETRY_FOR",
     "QueueStats",
     "channel",
     "drop_enqueue_trigger",

@@ -9,7 +9,8 @@ nothing and installing nothing:
 * per job, its ``job_state`` row (failures, next attempt, last error, the
   pause with its reason and since when), its last run, its last run that
   ran, its last check (``outcome = 'checked'``, drift), since when it fails
-  and how many of its runs were ``interrupted`` since it last succeeded;
+  and how many of its runs were ``interrupted`` or ``transient`` since it
+  last succeeded;
 * per job with anything queued, :class:`QueueStats`: depth, due, retrying,
   dead, and two ages: the oldest *live* item (``oldest_age``, what
   :func:`pgjobs.queue_stats` has always said) and the oldest *due* item
@@ -76,6 +77,8 @@ class StatusRead:
     failing_since: dict[str, datetime] = field(default_factory=dict)
     #: per job, its runs ``interrupted`` (a lost connection) since it last succeeded
     interrupted: dict[str, int] = field(default_factory=dict)
+    #: per job, its runs ``transient`` (a lock timeout, a deadlock, ...) since it last succeeded
+    transient: dict[str, int] = field(default_factory=dict)
     queues: list[QueueStats] = field(default_factory=list)
     #: the latest dead items and runs (only when asked for)
     dead: list[dict[str, Any]] = field(default_factory=list)
@@ -159,6 +162,11 @@ def _per_job(schema: str) -> dict[str, sql.Composed]:
             " and r.started_at > coalesce(s.last_success_at, '-infinity')"
             " and r.outcome = 'interrupted') from {state} as s {only}"
         ).format(state=state, run=run, only=only),
+        "transient": sql.SQL(
+            "select s.job, (select count(*) from {run} as r where r.job = s.job"
+            " and r.started_at > coalesce(s.last_success_at, '-infinity')"
+            " and r.outcome = 'transient') from {state} as s {only}"
+        ).format(state=state, run=run, only=only),
         "queues": queue_stats_query(schema),
     }
 
@@ -184,7 +192,7 @@ def _lists(schema: str, *, dead: int, runs: int) -> dict[str, sql.Composed]:
 
 
 #: what ``history=False`` leaves out
-_HISTORY = ("last", "last_ran", "failing_since", "interrupted")
+_HISTORY = ("last", "last_ran", "failing_since", "interrupted", "transient")
 
 #: how each statement's result becomes its field of :class:`StatusRead`
 _FIELDS: dict[str, Callable[[Result], Any]] = {
@@ -194,6 +202,7 @@ _FIELDS: dict[str, Callable[[Result], Any]] = {
     "last_checked": _by_job,
     "failing_since": lambda r: {job: at for job, at in r.all()},
     "interrupted": lambda r: {job: n for job, n in r.all() if n},
+    "transient": lambda r: {job: n for job, n in r.all() if n},
     "queues": lambda r: queue_stats_of(r.all()),
     "dead": _dicts,
     "runs": _dicts,

@@ -24,7 +24,15 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from ._pg import connection_lost, first_line, later, send, set_local, sqlstate_of
+from ._pg import (
+    connection_lost,
+    driver_error,
+    first_line,
+    later,
+    send,
+    set_local,
+    sqlstate_of,
+)
 from .deadline import exceeded
 from .jobs import Job
 from .results import Outcome, RunResult
@@ -173,7 +181,13 @@ class Interruptions:
     long to wait before the next retry (:data:`RETRY_FIRST` doubling to
     :data:`RETRY_MAX`), and the log lines: one at the first, one when they
     have gone on for :data:`LONG_INTERRUPTION`, one when a tick gets
-    through again; the ones in between at DEBUG."""
+    through again; the ones in between at DEBUG. (:class:`Transients` is
+    the same for a lock timeout, a deadlock and their kin.)"""
+
+    #: the first delay, doubling up to :attr:`most`; said louder after :attr:`long`
+    first = RETRY_FIRST
+    most = RETRY_MAX
+    long = LONG_INTERRUPTION
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -192,32 +206,49 @@ class Interruptions:
             streak.count += 1
             streak.last = why
             count, since = streak.count, streak.since
-            long = not streak.told_long and now - since >= LONG_INTERRUPTION
+            long = not streak.told_long and now - since >= self.long
             streak.told_long = streak.told_long or long
             first = not streak.told and not quiet
             streak.told = streak.told or first
-        delay = float(min(RETRY_FIRST * 2.0 ** (count - 1), RETRY_MAX))
+        delay = float(min(self.first * 2.0 ** (count - 1), self.most))
         if first:
-            log.warning(
-                "pgjobs: %s: interrupted (%s); not a failure of the job: retrying in %.1f s"
-                " on a fresh connection",
-                job,
-                why,
-                delay,
-            )
+            self._say_first(job, why, delay)
         elif long:
-            log.warning(
-                "pgjobs: %s: interrupted %d times over %.0f s (last: %s); still retrying"
-                " every %.0f s at most",
-                job,
-                count,
-                now - since,
-                why,
-                RETRY_MAX,
-            )
+            self._say_long(job, why, count, now - since)
         else:
-            log.debug("pgjobs: %s: interrupted again (%s), retrying in %.1f s", job, why, delay)
+            log.debug("pgjobs: %s: %s again (%s), retrying in %.1f s", job, self.word, why, delay)
         return delay
+
+    #: what one of them is called in the log lines
+    word = "interrupted"
+
+    def _say_first(self, job: str, why: str, delay: float) -> None:
+        log.warning(
+            "pgjobs: %s: interrupted (%s); not a failure of the job: retrying in %.1f s"
+            " on a fresh connection",
+            job,
+            why,
+            delay,
+        )
+
+    def _say_long(self, job: str, why: str, count: int, seconds: float) -> None:
+        log.warning(
+            "pgjobs: %s: interrupted %d times over %.0f s (last: %s); still retrying"
+            " every %.0f s at most",
+            job,
+            count,
+            seconds,
+            why,
+            self.most,
+        )
+
+    def _say_clear(self, job: str, count: int, seconds: float) -> None:
+        log.warning(
+            "pgjobs: %s: gets through again, after %d interruption(s) over %.1f s",
+            job,
+            count,
+            seconds,
+        )
 
     def clear(self, job: str) -> None:
         """A tick of ``job`` got through: the next interruption starts afresh."""
@@ -226,18 +257,140 @@ class Interruptions:
         with self._lock:
             streak = self._streaks.pop(job, None)
         if streak is not None and (streak.told or streak.told_long):
-            log.warning(
-                "pgjobs: %s: gets through again, after %d interruption(s) over %.1f s",
-                job,
-                streak.count,
-                time.monotonic() - streak.since,
-            )
+            self._say_clear(job, streak.count, time.monotonic() - streak.since)
 
     def streak(self, job: str) -> tuple[int, float] | None:
         """(interruptions, seconds since the first) of ``job``'s current streak."""
         with self._lock:
             streak = self._streaks.get(job)
             return None if streak is None else (streak.count, time.monotonic() - streak.since)
+
+
+#: the first retry after a transient failure, doubling up to :data:`TRANSIENT_MAX`
+TRANSIENT_FIRST = 1.0
+#: the longest wait between two retries of a job failing transiently, in seconds
+TRANSIENT_MAX = 30.0
+#: transient failures that go on this long (seconds, none getting through)
+#: are the job's failure: the next one backs the job off (``docs/operate.md``)
+TRANSIENT_BOUND = 600.0
+
+
+class Transients(Interruptions):
+    """Per job, the transient failures since its last tick that got
+    through (:func:`transient`: a lock timeout, a deadlock, a serialization
+    failure, an operator's cancel, a cached plan gone stale): retried after
+    :data:`TRANSIENT_FIRST` doubling to :data:`TRANSIENT_MAX`, never the
+    job's backoff, until they have gone on for :data:`TRANSIENT_BOUND`
+    (:meth:`persisting`). One line when a streak starts, one when it ends."""
+
+    first = TRANSIENT_FIRST
+    most = TRANSIENT_MAX
+    long = TRANSIENT_BOUND
+    word = "transient failure"
+
+    def persisted(self, job: str) -> bool:
+        """Have ``job``'s transient failures gone on for :data:`TRANSIENT_BOUND`?
+        Then the streak ends here (said once): the failure at hand is the
+        job's, and backs it off."""
+        with self._lock:
+            streak = self._streaks.get(job)
+            if streak is None or time.monotonic() - streak.since < self.long:
+                return False
+            del self._streaks[job]
+        log.warning(
+            "pgjobs: %s: %d transient failures over %.0f s (last: %s): this one is"
+            " the job's failure, and backs it off",
+            job,
+            streak.count,
+            time.monotonic() - streak.since,
+            streak.last,
+        )
+        return True
+
+    def _say_first(self, job: str, why: str, delay: float) -> None:
+        log.warning(
+            "pgjobs: %s: transient failure (%s); rolled back, not the job's backoff:"
+            " retrying in %.1f s",
+            job,
+            why,
+            delay,
+        )
+
+    def _say_clear(self, job: str, count: int, seconds: float) -> None:
+        log.warning(
+            "pgjobs: %s: gets through again, after %d transient failure(s) over %.1f s",
+            job,
+            count,
+            seconds,
+        )
+
+
+#: the first retry of a queue tick that left items for a lock someone else
+#: holds, doubling up to :data:`DEFERRED_MAX` while it goes on
+DEFERRED_FIRST = 0.5
+DEFERRED_MAX = 5.0
+
+
+class Deferrals:
+    """Per job, how many ticks in a row left items queued for a lock someone
+    else holds (a parent, a derived row): the next tick comes
+    :data:`DEFERRED_FIRST` later, doubling up to :data:`DEFERRED_MAX`, so
+    that an item is written within seconds of the lock's release, while a
+    lock held for an hour costs a tick every few seconds, not a busy loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def note(self, job: str) -> float:
+        """Count one more such tick of ``job``; the seconds until the next."""
+        with self._lock:
+            count = self._counts[job] = self._counts.get(job, 0) + 1
+        return float(min(DEFERRED_FIRST * 2.0 ** (count - 1), DEFERRED_MAX))
+
+    def clear(self, job: str) -> None:
+        if job in self._counts:
+            with self._lock:
+                self._counts.pop(job, None)
+
+
+#: SQLSTATEs of a failure that is nobody's fault for long: a lock timeout,
+#: an operator's cancel (57014, when the statement timeout cannot have
+#: fired), a cached plan a DDL made stale; and class 40 (a deadlock, a
+#: serialization failure)
+_TRANSIENT_STATES = ("55P03", "57014", "0A000")
+
+
+def transient(exc: BaseException, job: Job, seconds: float) -> tuple[str, str] | None:
+    """(SQLSTATE, one line) when ``exc`` is a transient failure of a run
+    that has taken ``seconds`` so far: a lock not granted within
+    ``lock_timeout`` (55P03), a deadlock or a serialization failure (class
+    40), a statement cancelled by someone else (57014 before the job's
+    ``statement_timeout`` could have fired: a cancel after it is taken for
+    the timeout, the job's own failure), a cached plan made stale by a
+    DDL (0A000, "cached plan must not change result type": the connection
+    is then dropped, and its statements prepared again on the next).
+    ``None``: not transient."""
+    state = sqlstate_of(exc)
+    if state is None or not (state.startswith("40") or state in _TRANSIENT_STATES):
+        return None
+    if state == "57014" and _statement_timeout(exc, job, seconds):
+        return None
+    return state, f"{first_line(exc)} (SQLSTATE {state})"
+
+
+def _statement_timeout(exc: BaseException, job: Job, seconds: float) -> bool:
+    """Was the 57014 ``exc`` a statement timeout (the job's own failure: its
+    SQL takes too long), not an operator's ``pg_cancel_backend``? PostgreSQL
+    gives both the one SQLSTATE; only its message tells them apart, in
+    English (``lc_messages``), so a run that took the job's whole
+    ``statement_timeout`` counts as timed out whatever the message says."""
+    diag = getattr(driver_error(exc), "diag", None)
+    if "statement timeout" in (getattr(diag, "message_primary", None) or ""):
+        return True
+    timeout = job.statement_timeout
+    assert isinstance(timeout, timedelta)
+    return timeout > timedelta(0) and seconds >= timeout.total_seconds()
 
 
 class Ledger:
@@ -394,11 +547,17 @@ def cancelled(job: str, started_at: datetime, finished_at: datetime) -> RunResul
 
 
 __all__ = [
+    "TRANSIENT_BOUND",
+    "TRANSIENT_FIRST",
+    "TRANSIENT_MAX",
+    "Deferrals",
     "Failure",
     "Interruptions",
     "Ledger",
     "QuietTicks",
+    "Transients",
     "cancelled",
     "interruption",
     "tick_bound",
+    "transient",
 ]

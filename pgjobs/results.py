@@ -28,6 +28,10 @@ class Outcome(StrEnum):
     #: down, a failover, a deadline passed, a read-only server): rolled back,
     #: retried within seconds on a fresh connection, without the job's backoff
     INTERRUPTED = "interrupted"
+    #: a lock timeout, a deadlock, a serialization failure, an operator's
+    #: cancel or a stale cached plan rolled the run back: retried within
+    #: seconds, without the job's backoff, unless it goes on for 10 minutes
+    TRANSIENT = "transient"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +75,9 @@ class Execution:
     #: the body found nothing to do after all (another worker took the items
     #: the work check saw): the runner rolls back and ends the tick ``idle``
     idle: bool = False
+    #: items were left queued for a lock someone else holds (a parent, a
+    #: derived row): the runner asks for the tick again within seconds
+    retry_soon: bool = False
     #: the body gave up without writing (a recompute whose queue workers
     #: changed while it ran with flow): the runner rolls back and ends the
     #: tick ``busy``, to be retried soon
@@ -94,7 +101,9 @@ class RunResult:
     error: str | None = None
     sqlstate: str | None = None
     next_attempt_at: datetime | None = None
-    #: for a ``busy`` periodic job: try again after this rather than a full interval
+    #: for a ``busy`` periodic job: try again after this rather than a full
+    #: interval; for ``interrupted`` and ``transient`` runs, and a queue tick
+    #: that left items for a lock someone holds: the next try, within seconds
     retry_after: timedelta | None = None
     run_id: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
@@ -109,8 +118,8 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        """Everything but ``failed`` and ``interrupted``."""
-        return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED)
+        """Everything but ``failed``, ``interrupted`` and ``transient``."""
+        return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED, Outcome.TRANSIENT)
 
 
 __all__ = [

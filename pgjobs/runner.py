@@ -33,10 +33,12 @@ from .locking import DEFAULT_NAMESPACE
 from .recompute import BODY as RECOMPUTE
 from .records import (
     LOCAL_COMMIT_SQL,
+    Deferrals,
     Failure,
     Interruptions,
     Ledger,
     QuietTicks,
+    Transients,
     tick_bound,
 )
 from .results import Execution, Outcome, RunResult
@@ -47,6 +49,9 @@ from .worker import BODY as QUEUE
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
+
+#: run records a prune deletes per transaction (:meth:`Runner.prune`)
+PRUNE_BATCH = 5000
 
 #: The body of each built-in job kind.
 BODIES: dict[type[Job], Body[Any]] = {RecomputeJob: RECOMPUTE, QueueJob: QUEUE}
@@ -134,6 +139,11 @@ class Runner:
         self.quiet = QuietTicks(self.store)
         #: runs cut off by a lost connection, per job, and their retry delay
         self.interruptions = Interruptions()
+        #: runs rolled back by a lock timeout, a deadlock and their kin, per
+        #: job, and their retry delay (not the job's backoff)
+        self.transients = Transients()
+        #: queue ticks in a row that left items for a lock someone holds
+        self.deferrals = Deferrals()
         #: what ticks could not write when they happened, written later
         self.ledger = Ledger(self.store, self.worker, self.quiet, self.connect)
 
@@ -292,15 +302,25 @@ class Runner:
                 self._running.discard(tick)
         if result.outcome is not Outcome.INTERRUPTED:
             self.interruptions.clear(job.name)
+            if result.outcome is not Outcome.TRANSIENT:
+                self.transients.clear(job.name)
         return result
 
-    def prune(self, keep: timedelta = timedelta(days=7)) -> int:
-        """Delete run records older than ``keep``; returns how many."""
+    def prune(self, keep: timedelta = timedelta(days=7), *, batch: int = PRUNE_BATCH) -> int:
+        """Delete run records older than ``keep``, ``batch`` at a time, each
+        batch in a transaction of its own (so under :attr:`call_timeout`
+        each, however large the backlog: one DELETE of a week of a busy run
+        log could outlast it every time, and never prune); returns how many."""
+        now, deleted = self.clock(), 0
         with self.connect() as conn:
             self._ensure(conn)
-            with conn.begin():
-                send(conn, LOCAL_COMMIT_SQL)
-                return self.store.prune(conn, keep=keep, now=self.clock())
+            while True:
+                with conn.begin():
+                    send(conn, LOCAL_COMMIT_SQL)
+                    done = self.store.prune(conn, keep=keep, now=now, limit=batch)
+                deleted += done
+                if done < batch:
+                    return deleted
 
 
-__all__ = ["BODIES", "Runner", "body_of"]
+__all__ = ["BODIES", "PRUNE_BATCH", "Runner", "body_of"]

@@ -50,7 +50,7 @@ import os
 import threading
 import time
 import zoneinfo
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor as WakePool
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -81,7 +81,12 @@ from .flow import RENEW_EVERY, renew
 from .heartbeat import Heartbeat
 from .jobs import Job, Progress, QueueJob, RecomputeJob
 from .listener import Listener
-from .locking import DEFAULT_NAMESPACE
+from .locking import (
+    DEFAULT_NAMESPACE,
+    release_session_lock,
+    try_session_lock,
+    verify_lock_name,
+)
 from .preflight import Preflight
 from .results import Outcome, RunResult
 from .runner import Runner
@@ -97,6 +102,10 @@ log = logging.getLogger(__name__)
 
 _PRUNE_ID = "pgjobs:prune"
 _RENEW_ID = "pgjobs:flow-workers"
+
+
+#: outcomes retried ``retry_after`` later by whichever worker had them
+_SOON = (Outcome.INTERRUPTED, Outcome.TRANSIENT, Outcome.RAN)
 
 
 def _entry_id(name: str) -> str:
@@ -551,7 +560,9 @@ class Scheduler:
             result = self._tick(job, progress, woken=woken)
             if result is None:
                 return
-            if result.outcome is Outcome.INTERRUPTED and result.retry_after is not None:
+            if result.outcome in _SOON and result.retry_after is not None:
+                # interrupted, transient: within seconds; ran: items left for
+                # a lock someone holds (docs/DESIGN.md, "Transient failures")
                 self._retry(name, result.retry_after)
             elif index == 0:
                 if result.outcome is Outcome.BUSY and result.retry_after is not None:
@@ -637,14 +648,18 @@ class Scheduler:
         from .drift import verify, workers_of
 
         try:
-            result = verify(
-                self.runner.engine,
-                self.runner.store,
-                job,
-                workers=workers_of(job, self.registry.jobs()),
-                worker=self.runner.worker,
-                call_timeout=self.runner.call_timeout,
-            )
+            with self._verifying(job) as turn:
+                if not turn:
+                    log.debug("pgjobs: %s: another scheduler checks its group now", name)
+                    return
+                result = verify(
+                    self.runner.engine,
+                    self.runner.store,
+                    job,
+                    workers=workers_of(job, self.registry.jobs()),
+                    worker=self.runner.worker,
+                    call_timeout=self.runner.call_timeout,
+                )
         except Exception as exc:
             log.warning("pgjobs: %s: could not check: %s", name, first_line(exc))
             return
@@ -653,6 +668,30 @@ class Scheduler:
                 self.on_result(result)
             except Exception:
                 log.exception("pgjobs: on_result failed for %s", name)
+
+    @contextlib.contextmanager
+    def _verifying(self, job: Job) -> Iterator[bool]:
+        """The group's verification lock (:func:`pgjobs.locking.verify_lock_name`),
+        tried, held at session level on a connection of its own while the
+        block runs: True when this scheduler has it. Replicas whose
+        ``verify_every`` fire together would each run the full check (the
+        last-check test in :func:`pgjobs.drift.verify` reads before either
+        records); with the lock one checks, and one that comes after it
+        finds that check recorded."""
+        name = verify_lock_name(self.runner.namespace, job.group or job.name)
+        with self.runner.connect() as conn:
+            with conn.begin():
+                turn = try_session_lock(conn, name) is not None
+            try:
+                yield turn
+            finally:
+                if turn:
+                    try:
+                        with conn.begin():
+                            release_session_lock(conn, name)
+                    except Exception:
+                        # a pooled connection must not go back holding the lock
+                        conn.invalidate()
 
     def _prune(self) -> None:
         if self.keep_runs is None or self._stopping.is_set():

@@ -45,6 +45,8 @@ class JobView:
     last_checked: dict[str, Any] = field(default_factory=dict)
     failing_since: datetime | None = None
     queue: QueueView | None = None
+    #: runs rolled back by a lock timeout, a deadlock, ... since the last success
+    transient: int = 0
 
     @property
     def failures(self) -> int:
@@ -126,6 +128,7 @@ def _views(source: Source, found: StatusRead) -> list[JobView]:
                 last_ran=dict(found.last_ran.get(name, {})),
                 last_checked=dict(found.last_checked.get(name, {})),
                 failing_since=found.failing_since.get(name),
+                transient=found.transient.get(name, 0),
                 queue=queues.get(name)
                 if name in queues or job is None or job.kind != "queue"
                 else QueueView(

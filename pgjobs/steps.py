@@ -56,11 +56,14 @@ from .locking import (
 )
 from .records import (
     LOCAL_COMMIT_SQL,
+    Deferrals,
     Failure,
     Interruptions,
     QuietTicks,
+    Transients,
     cancelled,
     interruption,
+    transient,
 )
 from .results import Execution, Outcome, RunResult
 from .store import JobState, Store
@@ -80,6 +83,8 @@ class Host(Protocol):
     worker: str
     quiet: QuietTicks
     interruptions: Interruptions
+    transients: Transients
+    deferrals: Deferrals
 
     def clock(self) -> datetime: ...
 
@@ -424,6 +429,11 @@ class Tick:
         """Step 5: the run record (with the success state) and COMMIT, in one
         round trip after what the body left for the commit."""
         next_attempt = self.body.next_due(self.job, self.started, self.next_due)
+        retry = None
+        if execution.retry_soon:
+            retry = timedelta(seconds=self.runner.deferrals.note(self.job.name))
+        else:
+            self.runner.deferrals.clear(self.job.name)
         result = RunResult(
             job=self.job.name,
             outcome=Outcome.RAN,
@@ -438,6 +448,7 @@ class Tick:
             next_attempt_at=next_attempt,
             detail=dict(execution.detail),
             queue_lag=execution.queue_lag,
+            retry_after=retry,
         )
         self._queue_before_commit()
         # deferred constraints are checked here, under the savepoint: a
@@ -513,6 +524,62 @@ class Tick:
         log.debug("pgjobs: %s: the interruption", self.job.name, exc_info=exc)
         return self.runner.record_interrupted(result)
 
+    def _transient_why(self, exc: Exception) -> tuple[str, str] | None:
+        """(SQLSTATE, one line) when ``exc`` is a transient failure
+        (:func:`pgjobs.records.transient`) that has not gone on for the
+        bound yet (then it is the job's failure)."""
+        seconds = (self.runner.clock() - self.started).total_seconds()
+        why = transient(exc, self.job, seconds)
+        if why is None or self.runner.transients.persisted(self.job.name):
+            return None
+        return why
+
+    def _transient(self, exc: Exception, why: tuple[str, str]) -> RunResult:
+        """A run rolled back by a lock timeout, a deadlock, a serialization
+        failure, an operator's cancel or a stale cached plan: recorded
+        ``transient`` in the run log (in the job's own transaction, rolled
+        back to its savepoint, when it is still there), retried within
+        seconds (``retry_after``); the job's state and backoff are left
+        alone. A stale cached plan (0A000) drops the connection: its
+        prepared statements, psycopg's and pgjobs', go with it."""
+        sqlstate, line = why
+        delay = self.runner.transients.note(self.job.name, line)
+        result = RunResult(
+            job=self.job.name,
+            outcome=Outcome.TRANSIENT,
+            started_at=self.started,
+            finished_at=self.runner.clock(),
+            error=error_text(exc),
+            sqlstate=sqlstate,
+            retry_after=timedelta(seconds=delay),
+        )
+        log.debug("pgjobs: %s: the transient failure", self.job.name, exc_info=exc)
+        locked: RootTransaction | None = getattr(self, "trans", None)  # (after step 3)
+        if sqlstate == "0A000":
+            if self._trans_open():
+                abandon(self.conn, self.trans)
+            self.conn.invalidate()
+        elif locked is not None and open_transaction(self.conn):
+            try:
+                self.runner.quiet.queue_for(self.conn, self.job.name)
+                *_, recorded = send(
+                    self.conn,
+                    (_ROLLBACK_RUN, None),
+                    LOCAL_COMMIT_SQL,
+                    self.store.run_query(result, self.runner.worker),
+                    commit=locked,
+                )
+                return replace(result, run_id=int(recorded.scalar()))
+            except Exception:
+                log.debug(
+                    "pgjobs: %s: recording the transient failure in its own transaction failed",
+                    self.job.name,
+                    exc_info=True,
+                )
+        if locked is not None:
+            abandon(self.conn, locked)
+        return self.runner.record_run(result, self.conn)
+
     def _trans_open(self) -> bool:
         trans: RootTransaction | None = getattr(self, "trans", None)
         return trans is not None and trans.is_active
@@ -548,6 +615,9 @@ class Tick:
         why = interruption(exc, self.conn)
         if why is not None:
             return self._interrupted(exc, why)
+        why = self._transient_why(exc)
+        if why is not None:
+            return self._transient(exc, why)
         failure = self._failure(exc)
         if open_transaction(self.conn):
             try:
@@ -577,6 +647,9 @@ class Tick:
         why = interruption(exc, self.conn)
         if why is not None:
             return self._interrupted(exc, why)
+        why = self._transient_why(exc)
+        if why is not None:
+            return self._transient(exc, why)
         return self.runner.record_failure(self._failure(exc), self.conn)
 
     def _finish(self, outcome: Outcome, **fields: Any) -> RunResult:

@@ -232,14 +232,20 @@ class Store:
         made = self._composed[kind] = frozen(insert)
         return made, params
 
-    def prune(self, conn: Connection, *, keep: timedelta, now: datetime) -> int:
-        """Delete runs that started more than ``keep`` before ``now``."""
-        cur = execute(
-            conn,
-            sql.SQL("delete from {} where started_at < %s").format(self.table("run")),
-            (now - keep,),
-        )
-        return cur.rowcount
+    def prune(
+        self, conn: Connection, *, keep: timedelta, now: datetime, limit: int | None = None
+    ) -> int:
+        """Delete runs that started more than ``keep`` before ``now``, the
+        oldest ``limit`` of them at most (all: ``None``); how many."""
+        if limit is None:
+            query = sql.SQL("delete from {} where started_at < %s").format(self.table("run"))
+            return execute(conn, query, (now - keep,)).rowcount
+        # the oldest first, through run_started_idx: each batch reads what it deletes
+        query = sql.SQL(
+            "delete from {t} where id in (select id from {t} where started_at < %s"
+            " order by started_at limit %s)"
+        ).format(t=self.table("run"))
+        return execute(conn, query, (now - keep, limit)).rowcount
 
 
 __all__ = [

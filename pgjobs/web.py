@@ -182,7 +182,14 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                 el("td", v.kind),
                 el("td", v.group),
                 el("td", v.schedule),
-                el("td", _outcome(v.last.get("outcome"))),
+                el(
+                    "td",
+                    _outcome(v.last.get("outcome")),
+                    # retried within seconds, not failures (docs/failover.md)
+                    el("span", f" ({v.transient:,} transient)", class_="muted")
+                    if v.transient
+                    else None,
+                ),
                 el("td", _when(v.last.get("finished_at"), snap.now)),
                 el("td", _next(v, snap.now)),
                 el(

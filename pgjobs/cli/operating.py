@@ -64,16 +64,28 @@ def enqueue_items(
 @click.argument("job")
 @click.argument("keys", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Each KEY is JSON (as for enqueue).")
+@click.option(
+    "--retrying",
+    is_flag=True,
+    help="Also the items waiting for their retry after a failure: due now, attempts kept.",
+)
 @_common
 def revive(
-    job: str, keys: tuple[str, ...], as_json: bool, config_path: str | None, database: str | None
+    job: str,
+    keys: tuple[str, ...],
+    as_json: bool,
+    retrying: bool,
+    config_path: str | None,
+    database: str | None,
 ) -> None:
     """Put JOB's dead queue items back: due now, attempts reset; all of them
-    when no KEY is given."""
+    when no KEY is given. With --retrying, the items waiting in their item
+    backoff too: due now, their attempts kept (a failure counts on)."""
     from ..operate import Operator
 
     with _errors():
-        click.echo(Operator(*_load(config_path, database)).revive(job, keys, as_json=as_json))
+        operator = Operator(*_load(config_path, database))
+        click.echo(operator.revive(job, keys, as_json=as_json, retrying=retrying))
 
 
 __all__ = [

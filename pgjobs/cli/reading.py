@@ -124,6 +124,9 @@ def _status(
                 "last_sqlstate": state.get("last_sqlstate"),
                 # runs cut off by a lost connection since it last ran (docs/failover.md)
                 "interrupted": read.interrupted.get(name, 0),
+                # runs rolled back by a lock timeout, a deadlock, ... since it last
+                # ran: retried within seconds, not failures (docs/operate.md)
+                "transient": read.transient.get(name, 0),
                 "rows_changed": changed,
                 "queue": None if queues is None else queues.get(name),
                 "paused": paused_of(state),
@@ -133,19 +136,71 @@ def _status(
     return rows, read.now, read.schedulers
 
 
+def _queue_text(queue: dict[str, Any] | None) -> str:
+    """The QUEUE column: depth, and apart the items failing (waiting for
+    their retry) and the dead ones (parked)."""
+    if queue is None:
+        return "-"
+    depth = queue.get("depth")
+    text = f"{depth:,}" if isinstance(depth, int) else "?"
+    apart = [
+        f"{queue[k]:,} {word}"
+        for k, word in (("retrying", "failing"), ("dead", "dead"))
+        if queue.get(k)
+    ]
+    return text + (f" ({', '.join(apart)})" if apart else "")
+
+
+def _unhealthy(rows: list[dict[str, Any]], max_dead: int) -> list[str]:
+    """Why ``pgjobs status --health`` fails: jobs failing (backing off), and
+    queues with more than ``max_dead`` dead items; empty when healthy."""
+    why = [f"{r['job']}: failing ({r['failures']:,}x)" for r in rows if r["failures"]]
+    for r in rows:
+        dead = (r["queue"] or {}).get("dead") or 0
+        if dead > max_dead:
+            why.append(f"{r['job']}: {dead:,} dead item(s), more than {max_dead:,}")
+    return why
+
+
 @cli.command()
 @_common
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(config_path: str | None, database: str | None, as_json: bool) -> None:
-    """Each job's last outcome, next attempt, failures, rows changed and queue depth.
+@click.option(
+    "--health",
+    is_flag=True,
+    help="A health check: one line, exit 1 if a job is failing or a queue has dead items.",
+)
+@click.option(
+    "--max-dead",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="With --health: dead items a queue may have and still pass.",
+)
+def status(
+    config_path: str | None, database: str | None, as_json: bool, health: bool, max_dead: int
+) -> None:
+    """Each job's last outcome, next attempt, failures, rows changed and queue
+    depth (with its failing and dead items apart).
 
-    Exit 1 while a job is failing (backing off), for health checks.
+    Exit 1 while a job is failing (backing off). --health prints one line and
+    exits 1 also when a queue holds more than --max-dead dead items (0 unless
+    given); 3 when the database cannot be reached.
     """
     from ..operate import check_line
 
     with _errors():
         config, registry, url = _load(config_path, database)
         rows, now, schedulers = _status(registry, config, url)
+        if health:
+            problems = _unhealthy(rows, max_dead)
+            click.echo(
+                f"pgjobs: unhealthy: {'; '.join(problems)}" if problems else "pgjobs: healthy"
+            )
+            if problems:
+                sys.exit(EXIT_FAILED)
+            return
         if as_json:
             data = {"now": now, "jobs": rows, "schedulers": schedulers}
             click.echo(json.dumps(_jsonable(data), indent=2))
@@ -159,23 +214,17 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                     else f"{sum(changed.values()):,} (+{changed['inserted']:,} "
                     f"~{changed['updated']:,} -{changed['deleted']:,})"
                 )
-                queue = r["queue"]
-                queue_text = "-"
-                if queue is not None:
-                    depth = queue.get("depth")
-                    queue_text = f"{depth:,}" if isinstance(depth, int) else "?"
-                    if queue.get("dead"):
-                        queue_text += f" ({queue['dead']:,} dead)"
+                unsettled = [f"{r[k]:,} {k}" for k in ("interrupted", "transient") if r[k]]
                 table.append(
                     [
                         r["job"] + ("" if r["registered"] else " (unregistered)"),
                         (r["last_outcome"] or "never ran")
-                        + (f" ({r['interrupted']:,} interrupted)" if r["interrupted"] else ""),
+                        + (f" ({', '.join(unsettled)})" if unsettled else ""),
                         _ago(r["last_at"], now),
                         _until(r["next_attempt_at"], now),
                         f"{r['failures']:,}",
                         changed_text,
-                        queue_text,
+                        _queue_text(r["queue"]),
                     ]
                 )
             headers = [
@@ -193,6 +242,12 @@ def status(config_path: str | None, database: str | None, as_json: bool) -> None
                     state = f" (SQLSTATE {r['last_sqlstate']})" if r["last_sqlstate"] else ""
                     click.echo(
                         f"\n{r['job']}: failing ({r['failures']:,}x){state}: {r['last_error']}"
+                    )
+                queue = r["queue"] or {}
+                if queue.get("dead"):
+                    click.echo(
+                        f"\n{r['job']}: {queue['dead']:,} dead item(s), parked after"
+                        f" max_attempts failures (pgjobs revive {r['job']})"
                     )
                 if r["paused"]:
                     paused = r["paused"]

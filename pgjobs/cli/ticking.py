@@ -44,7 +44,7 @@ def _summary(result: RunResult) -> str:
             f"rows locked {result.lock_seconds:.2f}s"
         )
         return f"{head}: {', '.join(parts)}; {timing}"
-    if result.outcome in (Outcome.FAILED, Outcome.INTERRUPTED):
+    if result.outcome in (Outcome.FAILED, Outcome.INTERRUPTED, Outcome.TRANSIENT):
         state = f" (SQLSTATE {result.sqlstate})" if result.sqlstate else ""
         when = (
             f"; next scheduled attempt {result.next_attempt_at:%Y-%m-%d %H:%M:%S %Z}"
@@ -86,8 +86,9 @@ def once(
     it honours all of them, as the scheduler does.
 
     Phases and progress go to stderr (redrawn in place on a terminal, a line
-    per phase otherwise); the outcome to stdout. Exit 1 if the tick failed or
-    found the job's group busy, 3 if the database cannot be reached.
+    per phase otherwise); the outcome to stdout. Exit 1 if the tick failed
+    (transiently too: a lock timeout, a deadlock), or items of it failed, or
+    it found the job's group busy; 3 if the database cannot be reached.
     """
     from ..checks import check_jobs
     from ..runner import Runner
@@ -115,8 +116,25 @@ def once(
             click.echo(json.dumps(_jsonable(result), indent=2))
         else:
             click.echo(_summary(result))
-        if result.outcome in (Outcome.FAILED, Outcome.BUSY, Outcome.PAUSED, Outcome.INTERRUPTED):
+        if result.failed_items:
+            # the others committed; these back off (their item backoff) or are parked
+            click.echo(
+                f"pgjobs: {job}: {result.failed_items:,} item(s) failed; they stay queued"
+                " (pgjobs status shows them, pgjobs revive --retrying runs them again now)",
+                err=True,
+            )
+        if result.failed_items or result.outcome in _NOT_DONE:
             sys.exit(EXIT_FAILED)
+
+
+#: outcomes of a tick that did not do its work: ``pgjobs once`` exits 1
+_NOT_DONE = (
+    Outcome.FAILED,
+    Outcome.BUSY,
+    Outcome.PAUSED,
+    Outcome.INTERRUPTED,
+    Outcome.TRANSIENT,
+)
 
 
 # -- check ---------------------------------------------------------------------------

@@ -28,13 +28,14 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import driver, frozen
+from .._pg import driver, frozen, later
 from ..flow import record_for_tick
 from ..jobs import Locks, QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
 from ..target import Prefetched, prefetch_fingerprint
 from .claim import Ahead, claim_ahead
+from .state import item_lock_wait
 from .tick import run_tick
 
 
@@ -108,6 +109,8 @@ class QueueBody:
         committed = record_for_tick(conn, job, ctx.namespace, ctx.schema)
         if committed is not None:
             ctx.after_commit.append(committed)
+        # the writes' lock waits bounded before any of them (the write sent ahead too)
+        later(conn, *item_lock_wait(job))
         # last (the runner's savepoint is taken before): the claim, on speculation
         return QueuePrefetched(fingerprint, claim_ahead(conn, job, ctx))
 

@@ -11,15 +11,17 @@ target (:mod:`.statements`), not per tick.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import Result, driver, sqlstate_of
+from .._pg import Result, driver, frozen, sqlstate_of
 from .._pg import error_text as _error_text
 from ..database import transaction_pooling
 from ..errors import ConfigError
@@ -37,8 +39,21 @@ ANALYZE_KEYS = 1000
 
 # SQLSTATEs that say nothing about an item: the run fails and is retried as a whole.
 _RUN_LEVEL_CLASSES = ("08", "40", "53", "57", "58", "XX")
-#: (26000: a prepared statement of pgjobs' is gone from the session, see pgjobs._wire)
-_RUN_LEVEL_STATES = ("55P03", "26000")
+#: (26000: a prepared statement of pgjobs' is gone from the session, see
+#: pgjobs._wire; 0A000: a cached plan a DDL made stale, pgjobs.records.transient)
+_RUN_LEVEL_STATES = ("55P03", "26000", "0A000")
+
+#: the longest an item's writes wait for a lock someone else holds (a
+#: derived row, a status row): then the item is left queued for a tick a
+#: few seconds later, and its neighbours are written (never the job's
+#: ``lock_timeout``, 5 s by default, nor a failure: docs/DESIGN.md,
+#: "Locks someone holds")
+ITEM_LOCK_WAIT = timedelta(milliseconds=500)
+#: lock waits one tick spends finding the items whose locks are held; past
+#: them, the items not yet written are left for the next tick as they are
+MAX_LOCK_WAITS = 8
+#: SQLSTATE lock_not_available: a lock not granted within lock_timeout
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 @dataclass(kw_only=True)
@@ -62,6 +77,12 @@ class Tick:
     #: written, but rows were deferred by the writer: left in the queue
     kept: list[str] = field(default_factory=list)
     rows_deferred: int = 0
+    #: of ``kept``: items whose writes found a lock someone else holds
+    locked: list[str] = field(default_factory=list)
+    #: lock waits so far (each up to :data:`ITEM_LOCK_WAIT`)
+    lock_waits: int = 0
+    #: the target's ROW EXCLUSIVE lock is held (:func:`.tick.target_free`)
+    target_held: bool = False
     failed: dict[str, BaseException] = field(default_factory=dict)
     attempts_of: dict[str, int] = field(default_factory=dict)
     #: seconds since each claimed item's enqueue, at the claim (database clock)
@@ -102,6 +123,21 @@ def new_tick(
         target=target,
         statements=statements_for(job, ctx.schema, target),
     )
+
+
+def item_lock_wait(job: QueueJob) -> tuple[sql.SQL, None]:
+    """The statement that bounds the lock waits of the tick's writes by
+    :data:`ITEM_LOCK_WAIT` (or the job's ``lock_timeout``, if shorter)."""
+    timeout = job.lock_timeout
+    assert isinstance(timeout, timedelta)
+    wait = min(timeout, ITEM_LOCK_WAIT) if timeout > timedelta(0) else ITEM_LOCK_WAIT
+    return _lock_wait_sql(max(1, int(wait.total_seconds() * 1000))), None
+
+
+@functools.lru_cache(maxsize=16)
+def _lock_wait_sql(ms: int) -> sql.SQL:
+    # composed once, a literal: no parameter to adapt at each tick
+    return frozen(sql.SQL("select set_config('lock_timeout', {}, true)").format(f"{ms}ms"))
 
 
 def is_run_level(exc: BaseException) -> bool:
@@ -219,4 +255,12 @@ def create_keys_table(t: Tick) -> None:
     _shapes[t.raw] = (t.raw.info.backend_pid, _shape(t))
 
 
-__all__ = ["KEYS_TABLE", "Tick", "new_tick"]
+__all__ = [
+    "ITEM_LOCK_WAIT",
+    "KEYS_TABLE",
+    "LOCK_NOT_AVAILABLE",
+    "MAX_LOCK_WAITS",
+    "Tick",
+    "item_lock_wait",
+    "new_tick",
+]

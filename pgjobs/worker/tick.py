@@ -17,7 +17,7 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
-from .._pg import analyze, later, send
+from .._pg import analyze, later, send, sqlstate_of
 from ..diff import Scope, WriteResult, write_diff
 from ..jobs import Keys, QueueJob, RunContext
 from ..results import Execution
@@ -28,10 +28,13 @@ from .small import small_enough, write_small
 from .state import (
     ANALYZE_KEYS,
     KEYS_TABLE,
+    LOCK_NOT_AVAILABLE,
+    MAX_LOCK_WAITS,
     MAX_SAVEPOINTS,
     Tick,
     error_text,
     is_run_level,
+    item_lock_wait,
     new_tick,
     next_savepoint,
     release,
@@ -51,12 +54,18 @@ def run_tick(
 ) -> Execution:
     """One tick of ``job``, inside the job's transaction, the group lock held
     (``ahead``: the claim sent with the lock, :func:`.claim.claim_ahead`)."""
+    sent = ahead
     ahead = ahead_undone(conn, job, ahead)
     t = new_tick(conn, job, ctx, prefetched)
     if job.claim is not None:
         items, gone, deferred, unreadable = claim_own(t)
     else:  # (a claim adopted is a tuple of four lists: true, even when they are empty)
-        items, gone, deferred, unreadable = claim_adopted(t, ahead) or claim(t)
+        adopted = claim_adopted(t, ahead)
+        if sent is not None and adopted is None:
+            # the claim sent ahead was undone, and the lock wait set before it
+            # with it (QueueBody.prefetch): set again, with the claim
+            later(conn, *item_lock_wait(job))
+        items, gone, deferred, unreadable = adopted or claim(t)
     ctx.report("claim", len(items), None)
     t.failed.update(unreadable)
     if gone:
@@ -87,9 +96,12 @@ def run_tick(
             "deferred": len(deferred),
             "kept": len(t.kept),
             "rows_deferred": t.rows_deferred,
+            "locked": len(t.locked),
             "dead": dead,
         },
         queue_lag=tuple(t.age_of[i] + since_claim for i in t.done if i in t.age_of),
+        # items left for a lock someone holds: tried again within seconds
+        retry_soon=bool(deferred or t.kept),
     )
 
 
@@ -100,10 +112,28 @@ def process(t: Tick, items: list[str]) -> None:
     try:
         write(t, items, sp, preloaded[1] if preloaded else None)
     except Exception as exc:
-        if is_run_level(exc):
+        waited = sqlstate_of(exc) == LOCK_NOT_AVAILABLE
+        if is_run_level(exc) and not waited:
             raise
         rollback_to(t, sp)
-        if len(items) == 1:
+        if waited:
+            # A lock someone else holds: a derived row of some item (then
+            # that item waits for a later tick, its neighbours are written),
+            # or the target itself (a CREATE INDEX: nobody writes, the tick
+            # is a transient failure, retried within seconds).
+            target_free(t)
+            t.lock_waits += 1
+            if len(items) == 1 or t.lock_waits >= MAX_LOCK_WAITS:
+                log.info(
+                    "pgjobs: %s: %d item(s) left for a later tick: a lock someone holds (%s)",
+                    t.job.name,
+                    len(items),
+                    error_text(exc).splitlines()[0],
+                )
+                t.kept.extend(items)
+                t.locked.extend(items)
+                return
+        elif len(items) == 1:
             t.failed[items[0]] = exc
             return
         if t.savepoints >= MAX_SAVEPOINTS:
@@ -127,6 +157,17 @@ def process(t: Tick, items: list[str]) -> None:
         half = len(items) // 2
         process(t, items[:half])
         process(t, items[half:])
+
+
+def target_free(t: Tick) -> None:
+    """Take the target's ROW EXCLUSIVE lock (what its writes take), waiting
+    no longer than the items' writes: when someone holds a lock on the table
+    that blocks every write (SHARE: a CREATE INDEX), the lock timeout
+    raised here fails the whole tick, transiently, instead of leaving each
+    item for later one by one. Once per tick: then it is held to commit."""
+    if not t.target_held:
+        t.raw.execute(sql.SQL("lock table {} in row exclusive mode").format(t.target.ident))
+        t.target_held = True
 
 
 def load_keys(t: Tick, items: list[str], savepoint: sql.Identifier) -> Keys:
