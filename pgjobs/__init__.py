@@ -10,7 +10,15 @@ from .backoff import Backoff
 from .config import Config, load_config
 from .drift import CheckResult, Sample
 from .durations import parse_duration
-from .errors import ConfigError, JobError, MigrationError, PgJobsError, PluginError, SchemaError
+from .errors import (
+    ConfigError,
+    JobError,
+    MigrationError,
+    PgJobsError,
+    PluginError,
+    SchemaError,
+    ScopeError,
+)
 from .hookspecs import hookimpl
 from .jobs import Job, Locks, Parent, QueueJob, RecomputeJob, RunContext, TaskJob
 from .lifecycle import lifespan
@@ -54,6 +62,7 @@ __all__ = [
     "Sample",
     "Scheduler",
     "SchemaError",
+    "ScopeError",
     "TaskJob",
     "check",
     "drop_enqueue_trigger",

@@ -19,6 +19,7 @@ from ._pg import connection_lost, error_text
 from .errors import ConfigError
 from .jobs import QueueJob, RecomputeJob
 from .registry import Registered
+from .slices.compute import keyed_text
 from .staging import check_coverage, check_sql
 from .target import reflect_target
 
@@ -77,16 +78,20 @@ def _check_job(conn: Connection, entry: Registered) -> None:
         # The diff writer's own reflection: a missing table, a key that is not
         # NOT NULL + unique, an unknown parent fail here as they would at run time.
         target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
-        if isinstance(job, QueueJob):
-            missing = [c for c in job.scope if c not in target.types and c not in target.key]
-            if missing:
-                raise ConfigError(f"scope: {job.target!r} has no column(s) {', '.join(missing)}")
+        missing = [c for c in job.scope if c not in target.types and c not in target.key]
+        if missing:
+            raise ConfigError(f"scope: {job.target!r} has no column(s) {', '.join(missing)}")
     except ConfigError as exc:
         raise ConfigError(f"{entry.where}: {exc}") from None
     # A queue job's SQL may join the batch's keys table, which exists only in
     # a run; a recompute's SQL is planned (LIMIT 0: no row computed) and its
     # columns matched against the target, as staging will.
-    if isinstance(job, RecomputeJob) and isinstance(job.compute, str):
+    # (SQL that binds the keys of a slice, :keys, is planned in a run only)
+    if (
+        isinstance(job, RecomputeJob)
+        and isinstance(job.compute, str)
+        and not (job.slices and keyed_text(job.compute))
+    ):
         field = "sql" if entry.config is not None else "compute"
         try:
             with conn.begin_nested():

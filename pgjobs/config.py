@@ -10,6 +10,7 @@
     prune_every = "1h"                      # ... this often (under `pgjobs run`)
     auto_migrate = false                    # `pgjobs migrate` applies migrations, not jobs
     call_timeout = "10s"                    # deadline of a bookkeeping round trip
+    horizon_warning = "5m"                  # warn of a snapshot held longer (vacuum held back)
 
     [jobs.exam-scores]                      # a plugin's job: override its settings
     every = "5m"
@@ -50,10 +51,12 @@ from .backoff import Backoff
 from .cron import check_cron, check_text, check_timezone
 from .durations import parse_duration, parse_timeout
 from .errors import ConfigError
+from .horizon import HORIZON_WARNING
 from .jobs import (
     MAX_ATTEMPTS,
     MAX_BATCH,
     MAX_CHUNK_ROWS,
+    MAX_SLICE_SECONDS,
     MAX_WORKERS,
     Job,
     Parent,
@@ -89,6 +92,7 @@ _TOP_KEYS = (
     "shutdown_timeout",
     "auto_migrate",
     "call_timeout",
+    "horizon_warning",
     "jobs",
 )
 _KINDS = ("recompute", "queue", "task")
@@ -116,6 +120,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "chunk_rows": ("recompute",),
     "atomic": ("recompute",),
     "verify_every": ("recompute",),
+    "sliced": ("recompute",),
+    "slice_seconds": ("recompute",),
     "batch_size": ("queue",),
     "workers": ("queue",),
     "max_attempts": ("queue",),
@@ -128,7 +134,7 @@ DECLARE_KEYS: dict[str, tuple[str, ...]] = {
     "target": _DIFF_KINDS,
     "sql": _KINDS,
     "sql_file": _KINDS,
-    "scope": ("queue",),
+    "scope": _DIFF_KINDS,
 }
 _BACKOFF_KEYS = ("initial", "factor", "max", "jitter")
 _PARENT_KEYS = ("table", "columns", "parent_columns")
@@ -167,6 +173,8 @@ class JobOverride:
     atomic: bool | None = None
     #: ``timedelta(0)``: no scheduled verification
     verify_every: timedelta | None = None
+    sliced: bool | None = None
+    slice_seconds: timedelta | None = None
     batch_size: int | None = None
     workers: int | None = None
     max_attempts: int | None = None
@@ -235,6 +243,9 @@ class Config:
     #: the deadline of each round trip of pgjobs' bookkeeping, and the margin
     #: of a tick's (``docs/failover.md``)
     call_timeout: timedelta = timedelta(seconds=10)
+    #: a snapshot or transaction held longer than this is warned about
+    #: (``pgjobs status``, the status page, the log: docs/long-transactions.md)
+    horizon_warning: timedelta = HORIZON_WARNING
     #: jobs declared entirely in the file
     jobs: tuple[Job, ...] = ()
     #: settings changed on jobs that plugins register, by job name
@@ -266,7 +277,7 @@ class Config:
                 parse_duration(getattr(self, name), field=name)
             except ConfigError as exc:
                 raise ConfigError(f"{self.source}: {exc}") from None
-        for name in ("prune_every", "heartbeat_every", "call_timeout"):
+        for name in ("prune_every", "heartbeat_every", "call_timeout", "horizon_warning"):
             if getattr(self, name) <= timedelta(0):
                 raise ConfigError(
                     f"{self.source}: {name}: must be positive, got {getattr(self, name)!r}"
@@ -431,6 +442,13 @@ class _Parser:
             return every
         if name in ("busy_retry", "verify_every"):
             return self.duration(value, key)
+        if name == "slice_seconds":
+            seconds = self.duration(value, key)
+            if not timedelta(0) < seconds <= MAX_SLICE_SECONDS:
+                raise self.fail(
+                    key, f"expected more than 0 and at most {MAX_SLICE_SECONDS.seconds} s", value
+                )
+            return seconds
         if name in ("lock_timeout", "statement_timeout"):
             return self.model(lambda: parse_timeout(value, field=key))
         if name == "cron":
@@ -445,7 +463,7 @@ class _Parser:
             return value
         if name in ("backoff", "item_backoff"):
             return self.backoff(value, key)
-        if name in ("enabled", "synchronous_commit", "atomic", "flow"):
+        if name in ("enabled", "synchronous_commit", "atomic", "flow", "sliced"):
             return self.boolean(value, key)
         if name in ("key", "columns"):
             return self.names(value, key)
@@ -493,6 +511,7 @@ class _Parser:
             "heartbeat_every",
             "shutdown_timeout",
             "call_timeout",
+            "horizon_warning",
         ):
             if name in data:
                 fields[name] = self.duration(data[name], name)
@@ -564,6 +583,8 @@ class _Parser:
                 raise self.fail(
                     f"{where}.scope", "required: the column(s) that tie an item to its rows", None
                 )
+            fields["scope"] = self.names(table["scope"], f"{where}.scope")
+        if kind == "recompute" and "scope" in table:
             fields["scope"] = self.names(table["scope"], f"{where}.scope")
         if kind == "task":
             fields["run"] = sql_task(query)

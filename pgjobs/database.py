@@ -13,6 +13,15 @@ each unless the URL sets it, so that a peer that vanished (a failover, a
 network cut) is noticed by the kernel; and every engine pgjobs uses, the
 user's too, has a deadline on each round trip (:mod:`pgjobs.deadline`).
 
+Sessions of engines pgjobs creates carry an ``application_name`` naming
+the process (:func:`application_name`: ``pgjobs (4242@host)``), unless the
+URL or ``$PGAPPNAME`` gives one; a job's tick names the job it serves
+(``pgjobs: exam-scores (4242@host)``, set in the tick's first round trip
+when the session named another, and kept: the job it last served), on
+any session whose name is pgjobs' or empty, so that an operator can tell
+pgjobs' sessions apart in ``pg_stat_activity``. A name the user gave is
+left alone.
+
 ``$PGJOBS_TRANSACTION_POOLING=1`` says that consecutive transactions of one
 connection may run on different server sessions (PgBouncer with
 ``pool_mode = transaction``, and the like). pgjobs then keeps nothing in a
@@ -31,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
@@ -77,6 +87,29 @@ CONNECT_DEFAULTS: dict[str, int] = {
     "tcp_user_timeout": 20_000,
     "connect_timeout": CONNECT_TIMEOUT,
 }
+
+#: what every session name of pgjobs' starts with (:func:`application_name`)
+APPLICATION_PREFIX = "pgjobs"
+
+
+def application_name(job: str | None = None) -> str:
+    """The ``application_name`` of this process's sessions: ``pgjobs
+    (<pid>@<host>)``, with ``: <job>`` during a tick of that job (the job
+    first: PostgreSQL keeps 63 bytes)."""
+    where = f"({os.getpid()}@{socket.gethostname()})"
+    if job is None:
+        return f"{APPLICATION_PREFIX} {where}"
+    return f"{APPLICATION_PREFIX}: {job} {where}"
+
+
+def names_itself(dbapi_conn: Any) -> bool:
+    """Whether the session's ``application_name`` is pgjobs' own or empty
+    (then a tick may name its job there); a user's name is left alone."""
+    if not isinstance(dbapi_conn, psycopg.Connection):
+        return False
+    name = dbapi_conn.info.parameter_status("application_name") or ""
+    return not name or name.startswith(APPLICATION_PREFIX)
+
 
 _MULTI_HOST = re.compile(
     r"^(?P<scheme>[^:/]+://)(?P<user>[^@/?#]*@)?(?P<hosts>[^/?#]*)(?P<rest>.*)$"
@@ -144,6 +177,8 @@ def resolve_engine(
     connect_args: dict[str, Any] = {
         name: value for name, value in CONNECT_DEFAULTS.items() if name not in parsed.query
     }
+    if "application_name" not in parsed.query and not os.environ.get("PGAPPNAME"):
+        connect_args["application_name"] = application_name()
     if pooled is None:
         pooled = transaction_pooling()
     if pooled:
@@ -191,10 +226,13 @@ def _local_commit(dbapi_conn: Any, record: Any) -> None:
 
 
 __all__ = [
+    "APPLICATION_PREFIX",
     "CONNECT_DEFAULTS",
     "ENV_TRANSACTION_POOLING",
     "ENV_URL",
+    "application_name",
     "engine_for",
+    "names_itself",
     "normalize_url",
     "resolve_engine",
     "transaction_pooling",

@@ -14,7 +14,9 @@ queued (or claimed by a worker right now: a claimed entry stays in the queue
 until its worker commits) are counted apart, in :attr:`CheckResult.on_the_way`:
 a worker is about to write them, they are not drift. For a queue job,
 ``keys`` limits the check to those items (a scoped difference, as a worker
-takes it).
+takes it). A sliced recompute (``docs/slices.md``) is checked slice by
+slice, each slice in a short transaction of its own, and the slices that
+drifted are named by their key ranges.
 
 Why not a read-only transaction: PostgreSQL (15, 16 and 18, tried here)
 refuses ``CREATE TEMP TABLE`` in a ``transaction_read_only`` transaction,
@@ -50,6 +52,11 @@ from .jobs import Job, QueueJob, RecomputeJob
 from .queue import key_json, queue_table
 from .records import tick_bound
 from .results import DiffStats, Outcome, RunResult
+from .scoping import KeyRange
+from .slices.body import KEYS_TABLE as SLICE_KEYS
+from .slices.body import check_scope, keys_table, target_range
+from .slices.compute import SliceCompute
+from .slices.cut import Bound, cut, key_source
 from .staging import Staged, check_coverage, stage
 from .store import Store
 from .target import Target, reflect_target
@@ -116,6 +123,12 @@ class CheckResult:
     staged_rows: int = 0
     #: the items checked (a queue job's ``keys``); ``None``: the whole target
     keys: tuple[tuple[Any, ...], ...] | None = None
+    #: a sliced job's check (``docs/slices.md``), one short transaction a
+    #: slice: how many slices, and the key range and figures of each slice
+    #: that drifted (``low`` included, ``high`` excluded, as text; ``None``:
+    #: open)
+    slices: int | None = None
+    drifted: tuple[dict[str, Any], ...] = ()
 
     @property
     def inserted(self) -> int:
@@ -167,6 +180,8 @@ class CheckResult:
             },
             "samples": {k: [x.as_dict() for x in v] for k, v in self.samples.items()},
             "keys": None if self.keys is None else [list(k) for k in self.keys],
+            "slices": self.slices,
+            "drifted_slices": list(self.drifted),
             "staged_rows": self.staged_rows,
             "started_at": self.started_at.isoformat(),
             "seconds": round(self.seconds, 6),
@@ -186,6 +201,8 @@ class CheckResult:
             f" skip {s.skipped_missing_parent:,} (parent gone); unchanged {s.unchanged:,}"
         )
         head = "drift" if self.drift else "no drift"
+        if self.slices is not None:
+            scope = f" ({len(self.drifted)} of {self.slices} slices drifted)"
         return f"{self.job}{scope}: {head}: {writer} would {figures} [{self.seconds:.2f}s]"
 
     def run_result(self, *, error: str | None = None) -> RunResult:
@@ -238,11 +255,92 @@ def check_on(
     else:
         raise ConfigError(f"{job.name}: a {job.kind} job has no derived table to check")
     started = datetime.now(UTC)
+    if isinstance(job, RecomputeJob) and job.slices:
+        with bounded(conn, tick_bound(job, call_timeout)):
+            return _check_sliced(conn, job, sample, list(workers), schema, started)
     with bounded(conn, tick_bound(job, call_timeout)), conn.begin() as trans:
         try:
             return _Check(conn, job, sample, list(workers), schema).run(keys, started)
         finally:
             trans.rollback()
+
+
+def _check_sliced(
+    conn: Connection,
+    job: RecomputeJob,
+    sample: int,
+    workers: list[QueueJob],
+    schema: str,
+    started: datetime,
+) -> CheckResult:
+    """A sliced job's check, slice by slice as its runs go (``docs/slices.md``):
+    the key space cut in a first short transaction (with the plan check),
+    then each slice's check in a transaction of its own, rolled back, its
+    size adapted to ``slice_seconds``. No snapshot is held across slices,
+    so the figures add up instants, as a sliced run does."""
+    with conn.begin() as trans:
+        try:
+            send(conn, set_local(_settings(job)))
+            target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
+            check_scope(job, target)
+            source = key_source(target, job.scope)
+            compute = SliceCompute(conn, job, target, source)
+            compute.check(conn)
+            bounds = cut(conn, source)
+        finally:
+            trans.rollback()
+    edges: list[Bound | None] = [None, *bounds, None]
+    totals, on_the_way = DiffStats(), DiffStats()
+    samples: dict[str, tuple[Sample, ...]] = {}
+    drifted: list[dict[str, Any]] = []
+    compute_seconds = diff_seconds = 0.0
+    staged_rows = slices = 0
+    first, count = 0, 1
+    while first < len(edges) - 1:
+        last = min(first + count, len(edges) - 1)
+        how = KeyRange(low=edges[first], high=edges[last])
+        clock = time.perf_counter()
+        with conn.begin() as trans:
+            try:
+                one = _Check(conn, job, sample, workers, schema).run_slice(
+                    compute, target, how, started
+                )
+            finally:
+                trans.rollback()
+        seconds = time.perf_counter() - clock
+        slices += 1
+        totals, on_the_way = totals + one.stats, on_the_way + one.on_the_way
+        compute_seconds += one.compute_seconds
+        diff_seconds += one.diff_seconds
+        staged_rows += one.staged_rows
+        for kind, found in one.samples.items():
+            samples[kind] = (samples.get(kind, ()) + found)[:sample]
+        if one.drift:
+            drifted.append(
+                {
+                    "low": None if how.low is None else list(how.low),
+                    "high": None if how.high is None else list(how.high),
+                    "inserted": one.inserted,
+                    "updated": one.updated,
+                    "deleted": one.deleted,
+                }
+            )
+        pace = job.slice_target / max(seconds, 1e-3)
+        first, count = last, max(1, int(count * min(4.0, max(0.25, pace))))
+    return CheckResult(
+        job=job.name,
+        target=target.label,
+        stats=totals,
+        on_the_way=on_the_way,
+        samples=samples,
+        started_at=started,
+        finished_at=datetime.now(UTC),
+        compute_seconds=compute_seconds,
+        diff_seconds=diff_seconds,
+        staged_rows=staged_rows,
+        slices=slices,
+        drifted=tuple(drifted),
+    )
 
 
 def _settings(job: Job) -> dict[str, str]:
@@ -329,6 +427,54 @@ class _Check:
             diff_seconds=diff_seconds,
             staged_rows=staged.rows,
             keys=typed,
+        )
+
+    def run_slice(
+        self, compute: SliceCompute, target: Target, how: KeyRange, started: datetime
+    ) -> CheckResult:
+        """One slice of a sliced job's check, in the caller's transaction:
+        the slice's new rows, and the difference scoped to its keys."""
+        conn, job = self.conn, self.job
+        _, first = send(
+            conn,
+            set_local(_settings(job)),
+            (_START, (queue_table(self.schema).as_string(driver(conn)),)),
+        )
+        row = first.one()
+        assert row is not None
+        self.s0 = str(row[0])
+        if not row[1]:
+            self.workers = []
+        clock = time.perf_counter()
+        staged, _ = compute.stage(conn, how)
+        check_coverage(target, staged.columns, job.columns, "the new rows")
+        keys = keys_table(conn, target, compute.scope, staged, how)
+        compute_seconds = time.perf_counter() - clock
+        clock = time.perf_counter()
+        scope = Scope(
+            columns=compute.scope,
+            keys=sql.Identifier(SLICE_KEYS),
+            rows=keys,
+            target_filter=target_range(compute.scope, how),
+        )
+        plan = Plan(target, staged, scope, preserve=False)
+        counts, _ = build_difference(conn, plan, None)
+        found = _Classified(self, plan)
+        stats, on_the_way = found.counts(counts, staged)
+        busy = stats.changed + stats.skipped_missing_parent + on_the_way.changed
+        samples = found.samples() if self.sample and busy else {}
+        _audit(conn, job.name)
+        return CheckResult(
+            job=job.name,
+            target=target.label,
+            stats=stats,
+            on_the_way=on_the_way,
+            samples=samples,
+            started_at=started,
+            finished_at=datetime.now(UTC),
+            compute_seconds=compute_seconds,
+            diff_seconds=time.perf_counter() - clock,
+            staged_rows=staged.rows,
         )
 
     def _keys(

@@ -6,6 +6,7 @@
      ├── ConfigError       a job, option or config file is wrong (names the field/key)
      ├── PluginError       a plugin could not be loaded or registered something invalid
      ├── JobError          a job's run failed (chained to the database or plugin cause)
+ │    └── ScopeError   a compute restricted to some keys would still compute every key
      ├── SchemaError       pgjobs' schema does not fit this code (newer, or not migrated)
      └── MigrationError    a migration could not be applied (a lock not granted in time)
 
@@ -39,6 +40,12 @@ class JobError(PgJobsError):
         self.sqlstate = sqlstate
 
 
+class ScopeError(JobError):
+    """A compute restricted to some keys of its scope (a slice, a list of
+    keys) would still compute every key: the restriction does not reach the
+    rows in its plan (:func:`pgjobs.scoping.check_plan`)."""
+
+
 class SchemaError(PgJobsError):
     """pgjobs' schema in the database does not fit this code: it is past a
     breaking migration of newer code, or migrations are pending and
@@ -57,4 +64,5 @@ __all__ = [
     "PgJobsError",
     "PluginError",
     "SchemaError",
+    "ScopeError",
 ]

@@ -5,7 +5,8 @@ its jobs, when it started) and then, every ``heartbeat_every`` (5 s by
 default), its ``last_seen``: one upsert a beat, from a thread of its own
 (not the job threads, which a long run may all hold), with a statement
 timeout. The same statement deletes the rows of schedulers quiet for more
-than :data:`PRUNE_AFTER`; a clean shutdown deletes its own row.
+than :data:`PRUNE_AFTER`; a clean shutdown deletes its own row. The same
+round trip reads the database's xmin horizon (:mod:`pgjobs.horizon`).
 
 :func:`schedulers_query` is what ``pgjobs status`` and the metrics read: a
 scheduler not seen for :data:`QUIET_BEATS` of its own heartbeats is "gone
@@ -28,9 +29,11 @@ from typing import Any
 from psycopg import sql
 from sqlalchemy.engine import Connection
 
+from . import logs
 from ._pg import first_line, send, set_local
 from .durations import Duration, parse_duration
 from .errors import ConfigError
+from .horizon import HorizonWatch, horizon_of, horizon_query
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class Heartbeat:
         schema: str,
         jobs: Sequence[str],
         every: Duration,
+        *,
+        watch: HorizonWatch | None = None,
     ) -> None:
         #: a connection whose round trips have a deadline (:meth:`pgjobs.Runner.connect`)
         self.connect = connect
@@ -78,6 +83,8 @@ class Heartbeat:
             "ms": max(1, int(self.every.total_seconds() * 1000)),
             "prune": PRUNE_AFTER,
         }
+        #: the horizon, read in each beat's round trip (one line when held, one when not)
+        self.watch = watch
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -100,6 +107,7 @@ class Heartbeat:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=5.0)
+        logs.SUMMARY.flush(force=True)  # the queue jobs' last lines
         if not delete:
             return
         try:
@@ -113,7 +121,8 @@ class Heartbeat:
             log.debug("pgjobs: could not delete this scheduler's heartbeat: %s", first_line(exc))
 
     def beat(self) -> None:
-        """One upsert of ``last_seen`` (and the pruning of long-quiet rows)."""
+        """One upsert of ``last_seen`` (and the pruning of long-quiet rows);
+        and the read of the horizon, in the same round trip."""
         query = sql.SQL(
             "with gone as (delete from {t} where id <> %(id)s and last_seen < now() - %(prune)s)"
             " insert into {t} (id, host, pid, version, jobs, heartbeat_ms, started_at, last_seen)"
@@ -121,7 +130,14 @@ class Heartbeat:
             " on conflict (id) do update set last_seen = excluded.last_seen"
         ).format(t=self.table)
         with self.connect() as conn, conn.begin():
-            send(conn, set_local(_SETTINGS), (query, self.params))
+            if self.watch is None:
+                send(conn, set_local(_SETTINGS), (query, self.params))
+                return
+            *_, oldest = send(
+                conn, set_local(_SETTINGS), (query, self.params), (horizon_query(), None)
+            )
+            horizon = horizon_of(oldest.all())
+        self.watch.observe(horizon)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every.total_seconds()):
@@ -132,6 +148,8 @@ class Heartbeat:
         table, a permission, a statement timeout are not the database being
         away, which the scheduler says too), the next ones at DEBUG, and the
         first that gets through again says so."""
+        # the queue jobs' summary lines of a minute that ended quiet
+        logs.SUMMARY.flush()
         try:
             self.beat()
         except Exception as exc:

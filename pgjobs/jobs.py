@@ -18,6 +18,7 @@ own body, through the methods under "what the runner calls".
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class RunContext:
     schema: str
     now: datetime
     progress: Progress | None = None
+    #: the process running the tick (the runner's ``worker``: host:pid)
+    worker: str = ""
     #: commit what is written so far and continue in a new transaction, the
     #: group still locked; only for jobs that write in chunks
     checkpoint: Callable[[], None] | None = None
@@ -97,6 +100,10 @@ class Locks(Enum):
     RECOMPUTE = "recompute"
     #: the recompute lock and the write lock, exclusively, tried, to the commit
     RECOMPUTE_AND_WRITE = "recompute and write"
+    #: the recompute lock shared, tried: the processes of a sliced run share
+    #: it (each slice takes the write lock itself), and an unsliced
+    #: recompute of the group, which takes it exclusively, waits its turn
+    RECOMPUTE_SHARED = "recompute shared"
 
 
 def next_due_after_success(job: Job, started: datetime, scheduled: datetime | None) -> datetime:
@@ -163,6 +170,11 @@ MAX_BATCH = 100_000
 #: about 70 ms of row locks here; 1.5 M rows at once held them 20 s)
 DEFAULT_CHUNK_ROWS = 10_000
 MAX_CHUNK_ROWS = 10_000_000
+#: the time a slice of a sliced recompute aims at, by default (seconds): long
+#: enough that a slice's fixed costs (its snapshot, staging, the keys' diff)
+#: are a small part of it, short enough that no snapshot is held for long
+DEFAULT_SLICE_SECONDS = 2
+MAX_SLICE_SECONDS = timedelta(minutes=10)
 #: the largest ``max_attempts``: an item that failed this often is parked
 MAX_ATTEMPTS = 1_000
 #: concurrent workers of one queue job in one process
@@ -236,6 +248,18 @@ def _names(value: str | Sequence[str] | None, field: str) -> tuple[str, ...]:
     if any("\x00" in v for v in out):
         raise ConfigError(f"{field}: a column name must not contain a NUL byte, got {value!r}")
     return out
+
+
+def _arity(compute: Callable[..., Any]) -> int:
+    """How many positional arguments ``compute`` takes (2 or more: keyed)."""
+    try:
+        signature = inspect.signature(compute)
+    except (TypeError, ValueError):
+        return 1
+    params = list(signature.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def _check_compute(compute: object, where: str) -> None:
@@ -491,11 +515,18 @@ class RecomputeJob(_DiffJob):
     references itself is always written at once. Chunks need one server
     session across their commits: behind a transaction pooler
     (``$PGJOBS_TRANSACTION_POOLING``) the job writes in one transaction.
+
+    With a ``scope`` (the column(s) that tie the target's rows to their
+    sources, as a :class:`QueueJob`'s), a run goes in slices of the scope's
+    keys, each its own short transaction of about ``slice_seconds``:
+    resumed after a crash, shared by every process that ticks the job
+    (``docs/slices.md``). The compute is then SQL text (restricted by pgjobs
+    to each slice), SQL binding ``:keys``, or ``compute(conn, keys)``.
     """
 
     kind: ClassVar[str] = "recompute"
 
-    compute: Callable[[Connection], Computed] | str = ""
+    compute: Callable[..., Computed] | str = ""
     chunk_parents: int | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     atomic: bool = False
@@ -510,10 +541,47 @@ class RecomputeJob(_DiffJob):
     #: recompute would write, nothing written) and record it in the run log
     #: as ``checked``; ``None`` (or 0): never
     verify_every: Duration | None = None
+    #: the column(s) of the target that tie its rows to their sources, as a
+    #: :class:`QueueJob`'s: the rows of a key depend only on that key's
+    #: sources. With it the run goes in slices of the scope's keys, each its
+    #: own short transaction (``docs/slices.md``); ``()``: one snapshot
+    scope: tuple[str, ...] = ()
+    #: with a ``scope``, run in slices (off: one snapshot, as without a scope)
+    sliced: bool = True
+    #: the time a slice aims at: slices grow or shrink to take about this long
+    slice_seconds: Duration = DEFAULT_SLICE_SECONDS
 
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
         where = f"RecomputeJob {self.name!r}"
+        object.__setattr__(self, "scope", _names(self.scope, f"{where}: scope"))
+        if not isinstance(self.sliced, bool):
+            raise ConfigError(f"{where}: sliced: expected true or false, got {self.sliced!r}")
+        seconds = parse_duration(self.slice_seconds, field=f"{where}: slice_seconds")
+        if not timedelta(0) < seconds <= MAX_SLICE_SECONDS:
+            raise ConfigError(
+                f"{where}: slice_seconds: expected more than 0 and at most"
+                f" {format_duration(MAX_SLICE_SECONDS)}, got {self.slice_seconds!r}"
+            )
+        object.__setattr__(self, "slice_seconds", seconds)
+        if self.slices:
+            if self.atomic:
+                raise ConfigError(
+                    f"{where}: atomic: a sliced run (scope {self.scope}) commits slice by"
+                    " slice; set sliced = false to write it in one transaction"
+                )
+            if callable(self.compute) and _arity(self.compute) < 2:
+                raise ConfigError(
+                    f"{where}: compute: a Python compute(conn) gives every key's rows and"
+                    f" cannot be cut into slices of the scope {self.scope}: give SQL text"
+                    " (pgjobs restricts it to each slice), a compute(conn, keys) that gives"
+                    " the rows of the keys it is handed, or sliced = false"
+                )
+        elif callable(self.compute) and _arity(self.compute) >= 2:
+            raise ConfigError(
+                f"{where}: compute: compute(conn, keys) is for a sliced run; give scope"
+                " (and leave sliced on), or a compute(conn)"
+            )
         if self.verify_every is not None:
             verify = parse_duration(self.verify_every, field=f"{where}: verify_every")
             if verify < timedelta(0):
@@ -530,6 +598,17 @@ class RecomputeJob(_DiffJob):
             if not scope:
                 raise ConfigError(f"{where}: worker_scope: expected column names, got ()")
             object.__setattr__(self, "worker_scope", scope)
+
+    @property
+    def slices(self) -> bool:
+        """Whether a run goes in slices: a ``scope``, and ``sliced`` on."""
+        return bool(self.scope) and self.sliced
+
+    @property
+    def slice_target(self) -> float:
+        """``slice_seconds`` in seconds."""
+        v = self.slice_seconds
+        return v.total_seconds() if isinstance(v, timedelta) else float(DEFAULT_SLICE_SECONDS)
 
     @property
     def verify_interval(self) -> timedelta | None:
@@ -625,9 +704,11 @@ class QueueJob(_DiffJob):
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_SLICE_SECONDS",
     "MAX_ATTEMPTS",
     "MAX_BATCH",
     "MAX_CHUNK_ROWS",
+    "MAX_SLICE_SECONDS",
     "MAX_WORKERS",
     "MAX_WORKER_ITEMS",
     "RUN_SAVEPOINT",

@@ -48,6 +48,11 @@ _TRY_SESSION = text(
     "select case when pg_try_advisory_lock(hashtextextended(:key, 0)) then pg_backend_pid() end"
 )
 _UNLOCK_SESSION = text("select pg_advisory_unlock(hashtextextended(:key, 0))")
+_TRY_SESSION_SHARED = text(
+    "select case when pg_try_advisory_lock_shared(hashtextextended(:key, 0))"
+    " then pg_backend_pid() end"
+)
+_UNLOCK_SESSION_SHARED = text("select pg_advisory_unlock_shared(hashtextextended(:key, 0))")
 
 
 def lock_name(namespace: str, group: str) -> str:
@@ -67,16 +72,17 @@ def verify_lock_name(namespace: str, group: str) -> str:
     return f"{lock_name(namespace, group)}:verify"
 
 
-def try_session_lock(conn: Connection, name: str) -> int | None:
+def try_session_lock(conn: Connection, name: str, *, shared: bool = False) -> int | None:
     """The lock ``name`` (see :func:`lock_name`) at session level, held across
-    commits by chunked writes: the server process holding it
-    (``pg_backend_pid()``), or ``None`` when another session has it."""
-    pid = conn.execute(_TRY_SESSION, {"key": name}).scalar_one()
+    commits by chunked writes (``shared``: in share mode, a sliced run's):
+    the server process holding it (``pg_backend_pid()``), or ``None`` when
+    another session has it."""
+    pid = conn.execute(_TRY_SESSION_SHARED if shared else _TRY_SESSION, {"key": name}).scalar_one()
     return None if pid is None else int(pid)
 
 
-def release_session_lock(conn: Connection, name: str) -> None:
-    conn.execute(_UNLOCK_SESSION, {"key": name})
+def release_session_lock(conn: Connection, name: str, *, shared: bool = False) -> None:
+    conn.execute(_UNLOCK_SESSION_SHARED if shared else _UNLOCK_SESSION, {"key": name})
 
 
 __all__ = [

@@ -71,6 +71,7 @@ tr.error td { background: #fff5f5; padding-top: 0; }
 .error pre, pre.error { white-space: pre-wrap; word-break: break-word; margin: 0;
   font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; color: #c92a2a; }
 .muted { color: #868e96; }
+p.warning { background: #fff9db; border-left: 4px solid #f08c00; padding: 8px 10px; margin: 10px 0; }
 .bar { display: flex; width: 260px; height: 12px; background: var(--other); border-radius: 2px;
   overflow: hidden; }
 .bar span { display: block; height: 100%; }

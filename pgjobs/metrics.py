@@ -37,8 +37,13 @@ Two kinds of figures:
   inserted, updated, deleted, skipped), ``pgjobs_drift_on_the_way_rows``
   (rows of queued items, apart), ``pgjobs_check_timestamp_seconds`` and
   ``pgjobs_check_failed`` (0/1); ``pgjobs_schedulers{state}`` (``live``,
-  ``quiet``: by their heartbeats); and ``pgjobs_database_up`` (0 when that
-  read failed).
+  ``quiet``: by their heartbeats); ``pgjobs_horizon_age_seconds`` and
+  ``pgjobs_horizon_xid_age``: how long the database's oldest snapshot or
+  transaction has been held, and how many transactions began since (0 when
+  none; :mod:`pgjobs.horizon`); a sliced run in progress
+  (``docs/slices.md``): ``pgjobs_slices_done``, ``pgjobs_slices_total``
+  (pieces) and ``pgjobs_slices_written_rows``; and ``pgjobs_database_up``
+  (0 when that read failed).
 
 Labels are the job's name and fixed words: the series grow with the number
 of jobs, nothing else. pgjobs registers nothing in ``prometheus_client``'s
@@ -343,6 +348,10 @@ class _DatabaseCollector(Collector):
         self.checks: list[tuple[str, dict[str, int], dict[str, int], float, bool]] = []
         #: live and gone-quiet schedulers (pgjobs.heartbeat), read with the rows
         self.schedulers: tuple[int, int] = (0, 0)
+        #: the oldest snapshot's age in seconds and in transactions (pgjobs.horizon)
+        self.horizon: tuple[float, int] = (0.0, 0)
+        #: each sliced run in progress: (job, pieces done, pieces, rows written)
+        self.sliced: list[tuple[str, int, int, int]] = []
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the database: nothing to check at registration
@@ -370,8 +379,16 @@ class _DatabaseCollector(Collector):
                     raise PgJobsError(f"pgjobs' tables are not installed in {source.schema!r}")
                 rows = _rows(found)
                 self.checks = _last_checks(found, source)
+                self.sliced = [
+                    (job, int(r["done"]), int(r["pieces"]), int(r["written"]))
+                    for job, r in sorted(found.sliced.items())
+                ]
                 live = sum(1 for b in found.schedulers if b["live"])
                 self.schedulers = (live, len(found.schedulers) - live)
+                held = found.horizon
+                self.horizon = (
+                    (0.0, 0) if held is None else (held.held.total_seconds(), held.xid_age)
+                )
             except Exception:
                 log.warning(
                     "pgjobs: metrics: could not read the queue and job states", exc_info=True
@@ -404,6 +421,16 @@ class _DatabaseCollector(Collector):
         if rows is None:
             return
         yield self._schedulers_family()
+        yield GaugeMetricFamily(
+            "pgjobs_horizon_age_seconds",
+            "How long the database's oldest snapshot or transaction has been held (0: none).",
+            value=self.horizon[0],
+        )
+        yield GaugeMetricFamily(
+            "pgjobs_horizon_xid_age",
+            "Transactions begun since the database's oldest snapshot or transaction.",
+            value=self.horizon[1],
+        )
         by_job = {r.job: r for r in rows}
         yield from _queue_families(source, rows)
         states = _gauges(
@@ -442,6 +469,22 @@ class _DatabaseCollector(Collector):
                 states[2].add_metric([name], row.last_success)
         yield from states
         yield from _check_gauges(self.checks)
+        yield from _sliced_gauges(self.sliced)
+
+
+def _sliced_gauges(sliced: Sequence[tuple[str, int, int, int]]) -> list[GaugeMetricFamily]:
+    """A sliced run in progress (``docs/slices.md``): absent when none is."""
+    families = _gauges(
+        [
+            ("pgjobs_slices_done", "Pieces done of the job's sliced run in progress."),
+            ("pgjobs_slices_total", "Pieces of the job's sliced run in progress."),
+            ("pgjobs_slices_written_rows", "Rows its slices have written so far."),
+        ]
+    )
+    for job, done, pieces, written in sliced:
+        for family, value in zip(families, (done, pieces, written), strict=True):
+            family.add_metric([job], value)
+    return families
 
 
 def _queue_families(source: Source, rows: Sequence[_Row]) -> list[GaugeMetricFamily]:

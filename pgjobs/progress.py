@@ -2,6 +2,8 @@
 calls (:data:`pgjobs.jobs.Progress`) look like to a person.
 
 One line per stage of the tick: ``compute``, ``stage`` (the new rows, counted),
+a sliced run's ``slices`` (pieces done of how many, rows written, an ETA at
+this tick's pace),
 ``diff`` (the difference, no row lock, and its rows) and ``write`` (the diff writer's
 "write-lock", "lock", "rows" and "write" calls: per chunk, waiting for the
 group's write lock, locking its parents, writing its rows, committing), or a queue job's ``claim`` and ``write``.
@@ -84,6 +86,10 @@ class Display:
         self.started = 0.0
         self._beats = 0
         self._drawn = ""
+        #: a sliced run: the rows this tick's slices wrote, and the pieces
+        #: done when its "slices" line began (the ETA is this tick's pace)
+        self.slice_rows = 0
+        self._first_done: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if refresh:
@@ -94,11 +100,16 @@ class Display:
     def __call__(self, phase: str, done: int | None, total: int | None) -> None:
         if done is not None and done < 0:
             done = total = None  # a count the driver could not give (rowcount -1)
+        if phase == "slice-rows":  # a figure of the "slices" line, said before it
+            with self._lock:
+                self.slice_rows = done or 0
+            return
         stage = _STAGE_OF.get(phase, phase)
         with self._lock:
             if stage != self.stage:
                 self._end_stage()
                 self.stage, self.started, self._beats = stage, self.clock(), 0
+                self._first_done = done
             self.figures = self._figures(phase, done, total)
             self.step = self._step(phase, done, total)
             if self.tty:
@@ -120,7 +131,20 @@ class Display:
                 bar = " [" + "#" * filled + "-" * (20 - filled) + "]"
             return f"{done:,}/{total:,} chunks ({pct}%){bar}"
         pct = 100 * done // total if total else 100
+        if phase == "slices":
+            return (
+                f"{done:,}/{total:,} pieces ({pct}%), {self.slice_rows:,} rows written"
+                + self._eta(done, total)
+            )
         return f"{done:,}/{total:,} ({pct}%)"
+
+    def _eta(self, done: int, total: int) -> str:
+        """A sliced run's time left, at this tick's pace so far."""
+        first = self._first_done or 0
+        if done >= total or done <= first:
+            return ""
+        left = (self.clock() - self.started) / (done - first) * (total - done)
+        return f", ETA {left:.0f}s"
 
     @staticmethod
     def _step(phase: str, done: int | None, total: int | None) -> str:

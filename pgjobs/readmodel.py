@@ -16,6 +16,10 @@ nothing and installing nothing:
   :func:`pgjobs.queue_stats` has always said) and the oldest *due* item
   (``oldest_due_age``, what the page and the metrics show);
 * the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`);
+* the database's oldest snapshot or transaction and who holds it
+  (:mod:`pgjobs.horizon`), whether pgjobs is installed or not;
+* each sliced run in progress (:func:`sliced_query`: pieces done of how
+  many, rows written so far, the processes taking part);
 * optionally, the latest runs and dead items (the page's lists).
 
 Two round trips (:func:`pgjobs._pg.send`): the settings, the clock and
@@ -38,6 +42,7 @@ from sqlalchemy.engine import Connection
 from ._pg import Result, driver, send, set_local
 from .durations import setting_ms
 from .heartbeat import schedulers_query
+from .horizon import Horizon, horizon_of, horizon_query
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,6 +89,12 @@ class StatusRead:
     dead: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
+    #: the oldest snapshot or transaction of the database (``None``: none)
+    horizon: Horizon | None = None
+    #: per job, its sliced run in progress (``slice_run``, migration 014):
+    #: pieces done of how many, slices, rows written, started, last slice,
+    #: resumed, the processes so far
+    sliced: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _dicts(result: Result) -> list[dict[str, Any]]:
@@ -171,6 +182,17 @@ def _per_job(schema: str) -> dict[str, sql.Composed]:
     }
 
 
+def sliced_query(schema: str) -> sql.Composed:
+    """Each sliced run in progress (or only ``%(job)s``'s)."""
+    return sql.SQL(
+        "select r.job, r.done, r.pieces, r.slices, r.inserted + r.updated + r.deleted as written,"
+        " r.started_at, r.touched_at, r.resumed,"
+        " (select array_agg(distinct s.taken_by) from {s} as s where s.job = r.job"
+        "  and s.run = r.id and s.taken_by is not null) as processes"
+        " from {r} as r where (%(job)s::text is null or r.job = %(job)s)"
+    ).format(r=sql.Identifier(schema, "slice_run"), s=sql.Identifier(schema, "slice"))
+
+
 def _lists(schema: str, *, dead: int, runs: int) -> dict[str, sql.Composed]:
     """The statements of the latest dead items and runs, when asked for."""
     out = {}
@@ -207,6 +229,7 @@ _FIELDS: dict[str, Callable[[Result], Any]] = {
     "dead": _dicts,
     "runs": _dicts,
     "schedulers": _dicts,
+    "sliced": _by_job,
 }
 
 
@@ -236,18 +259,27 @@ def read_status(
     settings = {"transaction_read_only": "on"}
     if statement_timeout is not None:
         settings["statement_timeout"] = setting_ms(statement_timeout)
-    tables = [sql.Identifier(schema, t).as_string(driver(conn)) for t in ("job_state", "scheduler")]
-    # round trip 1: the settings, the clock, and what is installed
-    _, clock = send(
+    tables = [
+        sql.Identifier(schema, t).as_string(driver(conn))
+        for t in ("job_state", "scheduler", "slice_run")
+    ]
+    # round trip 1: the settings, the clock, what is installed, the horizon
+    _, clock, oldest = send(
         conn,
         set_local(settings),
-        ("select now(), to_regclass(%s) is not null, to_regclass(%s) is not null", tables),
+        (
+            "select now(), to_regclass(%s) is not null, to_regclass(%s) is not null,"
+            " to_regclass(%s) is not null",
+            tables,
+        ),
+        (horizon_query(), None),
     )
     row = clock.one()
     assert row is not None
-    now, installed, beating = row
+    now, installed, beating, slicing = row
+    horizon = horizon_of(oldest.all())
     if not installed:  # reading installs nothing
-        return StatusRead(now=now, installed=False)
+        return StatusRead(now=now, installed=False, horizon=horizon)
     # round trip 2: everything else
     names = [job] if job is not None else list(dict.fromkeys(jobs))
     params = {"job": job, "names": names, "runs": runs, "dead": dead}
@@ -258,9 +290,11 @@ def read_status(
     ]
     if beating and job is None:  # an older schema has no heartbeats
         statements.append(("schedulers", *schedulers_query(schema)))
+    if slicing:  # nor sliced runs
+        statements.append(("sliced", sliced_query(schema), params))
     results = send(conn, *((statement, p) for _, statement, p in statements))
     fields = {name: _FIELDS[name](r) for (name, _, _), r in zip(statements, results, strict=True)}
-    return StatusRead(now=now, installed=True, **fields)
+    return StatusRead(now=now, installed=True, horizon=horizon, **fields)
 
 
 __all__ = [
@@ -269,4 +303,5 @@ __all__ = [
     "queue_stats_of",
     "queue_stats_query",
     "read_status",
+    "sliced_query",
 ]

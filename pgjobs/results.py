@@ -117,6 +117,26 @@ class RunResult:
         return (self.finished_at - self.started_at).total_seconds()
 
     @property
+    def slices(self) -> int | None:
+        """A sliced run's slices, over every process that took part (the
+        record of the run's last slice); ``None`` for any other run."""
+        sliced = self.detail.get("sliced")
+        return int(sliced["slices"]) if isinstance(sliced, dict) and "slices" in sliced else None
+
+    @property
+    def processes(self) -> list[str]:
+        """The processes (``host:pid``) that did a sliced run's slices."""
+        sliced = self.detail.get("sliced")
+        return list(sliced.get("processes", ())) if isinstance(sliced, dict) else []
+
+    @property
+    def resumed(self) -> bool:
+        """A sliced run that a tick took up after the ticks working on it had
+        stopped (a crash, a failure, a shutdown)."""
+        sliced = self.detail.get("sliced")
+        return bool(sliced.get("resumed")) if isinstance(sliced, dict) else False
+
+    @property
     def ok(self) -> bool:
         """Everything but ``failed``, ``interrupted`` and ``transient``."""
         return self.outcome not in (Outcome.FAILED, Outcome.INTERRUPTED, Outcome.TRANSIENT)

@@ -42,6 +42,7 @@ from .records import (
     tick_bound,
 )
 from .results import Execution, Outcome, RunResult
+from .slices import SLICED
 from .steps import CANCEL_TIMEOUT, Tick
 from .store import DEFAULT_SCHEMA, Store
 from .worker import BODY as QUEUE
@@ -87,7 +88,10 @@ _OWN = _OwnBody()
 
 
 def body_of(job: Job) -> Body[Any]:
-    """The body the runner runs ``job`` through."""
+    """The body the runner runs ``job`` through (a recompute with a scope:
+    slice by slice, :mod:`pgjobs.slices`)."""
+    if isinstance(job, RecomputeJob) and job.slices:
+        return SLICED
     for kind in type(job).__mro__:
         body = BODIES.get(kind)
         if body is not None:

@@ -79,6 +79,7 @@ from .firing import (
 )
 from .flow import RENEW_EVERY, renew
 from .heartbeat import Heartbeat
+from .horizon import HORIZON_WARNING, HorizonWatch
 from .jobs import Job, Progress, QueueJob, RecomputeJob
 from .listener import Listener
 from .locking import (
@@ -132,7 +133,10 @@ class Scheduler:
     that fails makes :meth:`start` raise, before anything is written.
     ``shutdown_timeout``: the default deadline of :meth:`shutdown` (``None``:
     wait as long as the running ticks take). ``heartbeat_every``: how often
-    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`).
+    the scheduler records that it is alive (:mod:`pgjobs.heartbeat`), and
+    reads the database's xmin horizon with each beat: one held longer than
+    ``horizon_warning`` is logged once when it starts and once when it ends
+    (:mod:`pgjobs.horizon`).
     ``on_result`` is called with every tick's :class:`~pgjobs.RunResult`,
     from the worker thread. ``listen``: wake queue jobs on enqueue (default:
     yes, unless ``$PGJOBS_TRANSACTION_POOLING`` says a transaction pooler is
@@ -163,6 +167,7 @@ class Scheduler:
         heartbeat_every: Duration = "5s",
         auto_migrate: bool = True,
         call_timeout: Duration = DEFAULT_CALL_TIMEOUT,
+        horizon_warning: Duration = HORIZON_WARNING,
     ) -> None:
         from .registry import Registry
 
@@ -194,7 +199,17 @@ class Scheduler:
         self.preflight = Preflight(self.runner)
         self._flight = InFlight()
         #: this scheduler's row in pgjobs.scheduler, while it runs
-        self.heartbeat = Heartbeat(self.runner.connect, schema, list(self.jobs), heartbeat_every)
+        #: a snapshot held longer is logged, and shown on the page (pgjobs.horizon)
+        self.horizon_warning = parse_duration(horizon_warning, field="horizon_warning")
+        if self.horizon_warning <= timedelta(0):
+            raise ConfigError(f"horizon_warning: must be positive, got {horizon_warning!r}")
+        self.heartbeat = Heartbeat(
+            self.runner.connect,
+            schema,
+            list(self.jobs),
+            heartbeat_every,
+            watch=HorizonWatch(self.horizon_warning),
+        )
         self._triggers = self._make_triggers()
         #: wake queue jobs on enqueue (LISTEN does not work behind a transaction pooler)
         self.listen = (not transaction_pooling()) if listen is None else listen
@@ -279,6 +294,7 @@ class Scheduler:
             "shutdown_timeout": config.shutdown_timeout,
             "auto_migrate": config.auto_migrate,
             "call_timeout": config.call_timeout,
+            "horizon_warning": config.horizon_warning,
         }
         settings.update(options)
         return cls(registry, url, **settings)

@@ -26,12 +26,14 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from .errors import ConfigError, PgJobsError
+from .horizon import HORIZON_WARNING
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -58,6 +60,8 @@ class Source:
     engine: Engine
     schema: str = "pgjobs"
     jobs: Mapping[str, Job] = field(default_factory=dict)
+    #: the page warns of a snapshot or transaction held longer (``horizon_warning``)
+    horizon_warning: timedelta = HORIZON_WARNING
 
     @classmethod
     def of(cls, target: Scheduler | Source) -> Source:
@@ -68,7 +72,12 @@ class Source:
         jobs = getattr(target, "jobs", None)
         if runner is None or not isinstance(jobs, Mapping):
             raise PgJobsError(f"expected a pgjobs.Scheduler or a Source, got {target!r}")
-        return cls(engine=runner.engine, schema=runner.store.schema, jobs=dict(jobs))
+        return cls(
+            engine=runner.engine,
+            schema=runner.store.schema,
+            jobs=dict(jobs),
+            horizon_warning=getattr(target, "horizon_warning", HORIZON_WARNING),
+        )
 
     def database_label(self) -> str:
         """The database as a person reads it, without a password."""

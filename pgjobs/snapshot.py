@@ -1,5 +1,5 @@
 """What the status page shows (:mod:`pgjobs.web`): the jobs, queues, dead
-items and recent runs, read by :func:`pgjobs.readmodel.read_status` (the
+items, recent runs and a horizon held too long, read by :func:`pgjobs.readmodel.read_status` (the
 read ``pgjobs status`` and the metrics share) in one read-only transaction
 with a statement timeout, as plain views for rendering."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .horizon import Horizon, held_past
 from .readmodel import QueueStats, StatusRead, read_status
 from .serve import Source
 
@@ -45,6 +46,8 @@ class JobView:
     last_checked: dict[str, Any] = field(default_factory=dict)
     failing_since: datetime | None = None
     queue: QueueView | None = None
+    #: its sliced run in progress (``docs/slices.md``), if any
+    sliced: dict[str, Any] = field(default_factory=dict)
     #: runs rolled back by a lock timeout, a deadlock, ... since the last success
     transient: int = 0
 
@@ -66,6 +69,10 @@ class Snapshot:
     runs: list[dict[str, Any]] = field(default_factory=list)
     #: the schedulers' heartbeats (:func:`pgjobs.heartbeat.schedulers_query`)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
+    #: the database's oldest snapshot or transaction (:mod:`pgjobs.horizon`)
+    horizon: Horizon | None = None
+    #: whether it is held past the source's ``horizon_warning``
+    horizon_held: bool = False
 
 
 def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapshot:
@@ -82,8 +89,16 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
             statement_timeout=5.0,
         )
     label = source.database_label()
+    held = held_past(found.horizon, source.horizon_warning)
     if not found.installed:  # reading installs nothing
-        return Snapshot(now=found.now, installed=False, database=label, jobs=_views(source, found))
+        return Snapshot(
+            now=found.now,
+            installed=False,
+            database=label,
+            jobs=_views(source, found),
+            horizon=found.horizon,
+            horizon_held=held,
+        )
     return Snapshot(
         now=found.now,
         installed=True,
@@ -93,6 +108,8 @@ def read(source: Source, *, job: str | None = None, runs: int = RUNS) -> Snapsho
         dead=found.dead,
         runs=found.runs,
         schedulers=found.schedulers,
+        horizon=found.horizon,
+        horizon_held=held,
     )
 
 
@@ -128,6 +145,7 @@ def _views(source: Source, found: StatusRead) -> list[JobView]:
                 last_ran=dict(found.last_ran.get(name, {})),
                 last_checked=dict(found.last_checked.get(name, {})),
                 failing_since=found.failing_since.get(name),
+                sliced=dict(found.sliced.get(name, {})),
                 transient=found.transient.get(name, 0),
                 queue=queues.get(name)
                 if name in queues or job is None or job.kind != "queue"

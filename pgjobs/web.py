@@ -2,6 +2,8 @@
 phases, server-rendered from pgjobs' tables (no JavaScript, no build step;
 it refreshes itself).
 
+* at the top, a warning while a snapshot or transaction holds the
+  database's xmin horizon back past ``horizon_warning``, naming its holder;
 * ``/``: every job (kind, group, schedule, last outcome and when, next
   attempt, failing since and the error, rows changed), the queues (depth,
   due, oldest due, dead items with their last error), a timeline of the
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 from .durations import format_duration
+from .horizon import horizon_line
 from .markup import CSS, Markup, el, esc
 from .serve import ASGIApp, Request, Response, Source, WSGIApp, asgi, wsgi
 from .snapshot import JOB_RUNS, RUNS, JobView, Snapshot, read
@@ -141,6 +144,20 @@ def _drift_section(view: JobView, now: Any) -> list[Markup]:
     ]
 
 
+def _slicing(view: JobView) -> Markup | None:
+    """A sliced run in progress: its pieces done of how many."""
+    run = view.sliced
+    if not run:
+        return None
+    return el(
+        "span",
+        f" slicing {run['done']:,}/{run['pieces']:,}",
+        class_="outcome running",
+        title=f"{run['written']:,} rows written in {run['slices']:,} slices"
+        f" by {len(run.get('processes') or [])} process(es)",
+    )
+
+
 def _job_href(base: str, name: str) -> str:
     return f"{base}/job/{quote(name, safe='')}"
 
@@ -189,6 +206,7 @@ def _jobs_table(snap: Snapshot, base: str) -> Markup:
                     el("span", f" ({v.transient:,} transient)", class_="muted")
                     if v.transient
                     else None,
+                    _slicing(v),
                 ),
                 el("td", _when(v.last.get("finished_at"), snap.now)),
                 el("td", _next(v, snap.now)),
@@ -553,6 +571,7 @@ class StatusPage:
         snap = read(source, runs=self.runs)
         failing = sum(v.failures > 0 for v in snap.jobs)
         body = [
+            *_horizon(snap),
             el("h2", f"Jobs ({len(snap.jobs)}, {failing} failing)" if failing else "Jobs"),
             _jobs_table(snap, base),
         ]
@@ -604,6 +623,7 @@ class StatusPage:
                 el("dl", [[el("dt", k), el("dd", v)] for k, v in facts if v is not None])
             )
         body = [
+            *_horizon(snap),
             el("h2", el("a", "all jobs", href=f"{base}/#{_anchor(name)}"), f" / {name}"),
             *details,
             el("h2", "State"),
@@ -622,6 +642,13 @@ class StatusPage:
         return Response(
             200, _page(f"job {name}", base, one, body, self.refresh), "text/html; charset=utf-8"
         )
+
+
+def _horizon(snap: Snapshot) -> list[Markup]:
+    """The warning of a snapshot held past ``horizon_warning``, naming its holder."""
+    if not snap.horizon_held or snap.horizon is None:
+        return []
+    return [el("p", horizon_line(snap.horizon), class_="warning", id="horizon")]
 
 
 def _quiet(state: Mapping[str, Any]) -> str | None:

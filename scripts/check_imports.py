@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("definitions", {"checks", "registry", "config", "hookspecs", "preflight"}),
     ("protocol", {"runner", "steps", "records", "drift"}),
-    ("bodies", {"recompute", "worker"}),
+    ("bodies", {"recompute", "worker", "slices"}),
     (
         "writers",
         {
@@ -69,9 +69,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "listener",
             "flow",
             "heartbeat",
+            "scoping",
         },
     ),
-    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs"}),
+    ("model", {"jobs", "cron", "results", "durations", "backoff", "logs", "horizon"}),
     ("base", {"_pg", "_wire", "deadline", "errors", "database"}),
 ]
 

@@ -204,8 +204,8 @@ BAD = [
         ["jobs.s.sql_file: cannot read", "missing.sql"],
     ),
     (
-        "[jobs.s]\nkind = 'recompute'\ntarget = 't'\nsql = 'select 1'\nscope = 'id'",
-        ["jobs.s.scope: applies to queue jobs, not recompute jobs", "'id'"],
+        "[jobs.s]\nkind = 'task'\nsql = 'select 1'\nscope = 'id'",
+        ["jobs.s.scope: applies to recompute and queue jobs, not task jobs", "'id'"],
     ),
     (
         "[jobs.s]\nkind = 'recompute'\ntarget = 't'\nsql = 'select 1'\nbatch_size = 5",
@@ -328,6 +328,8 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
     ("chunk_rows", "2500", "chunk_rows", 2500),
     ("atomic", "true", "atomic", True),
     ("verify_every", '"2h"', "verify_every", timedelta(hours=2)),
+    ("sliced", "false", "sliced", False),
+    ("slice_seconds", '"5s"', "slice_seconds", timedelta(seconds=5)),
     ("batch_size", "7", "batch_size", 7),
     ("workers", "3", "workers", 3),
     ("max_attempts", "9", "max_attempts", 9),

@@ -264,3 +264,115 @@ def test_verbosity_means_what_it_says(verbose: int, own: int, other: int, sql: i
         assert logging.getLogger("apscheduler.scheduler").getEffectiveLevel() == other
         assert logging.getLogger("sqlalchemy.engine.Engine").getEffectiveLevel() == sql
     assert [logging.getLogger(n).level for n in names] == before
+
+
+# -- queue ticks at production rates (issue 39) -------------------------------------------
+QUEUE_SCHEMA = """
+create table parent (id int primary key);
+create table src (parent_id int not null, k int not null, v int not null);
+create table derived (
+    parent_id int not null references parent on delete cascade,
+    k int not null, v int not null, primary key (parent_id, k));
+insert into parent select generate_series(1, 30);
+insert into src select id, 1, id from parent;
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_queue_ticks_are_debug_and_each_queue_job_says_its_minute_in_one_line(
+    engine: Engine, capture: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pgjobs import logs
+
+    run_sql(engine, QUEUE_SCHEMA)
+    pgjobs.install(engine)
+    clock = Clock()
+    summary = logs.QueueSummary(clock=clock)
+    monkeypatch.setattr(logs, "SUMMARY", summary)
+    job = pgjobs.QueueJob(
+        name="exam-worker",
+        target="derived",
+        compute="select parent_id, k, v from src where parent_id = any(:keys)",
+        scope=("parent_id",),
+        batch_size=10,
+        every="1h",
+    )
+    recompute = pgjobs.RecomputeJob(
+        name="exam-all", target="derived", compute="select parent_id, k, v from src", every="1h"
+    )
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, "exam-worker", [[i] for i in range(1, 31)])
+    for _ in range(3):  # 3 ticks of 10 items, within the minute
+        assert pgjobs.run_once(job, database=engine).items == 10
+    pgjobs.run_once(recompute, database=engine, force=True)
+    # no line per queue tick at INFO; the recompute keeps its own
+    lines = capture.lines()
+    assert not any("exam-worker" in line for line in lines), lines
+    assert any("exam-all ran in" in line for line in lines), lines
+
+    # a minute after the window's first tick, the next tick writes its line
+    clock.now += 60
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, "exam-worker", [[1], [2]])
+    pgjobs.run_once(job, database=engine)
+    (line,) = [m for m in map(_message, capture.lines()) if "exam-worker" in m]
+    assert re.fullmatch(
+        r"INFO pgjobs\.runner: exam-worker: 32 items in 4 ticks in the last 60 s,"
+        r" lag p50 [\d.]+ m?s p95 [\d.]+ m?s, \+30 ~0 -0, 0 items failed",
+        line,
+    ), line
+    (data,) = [o for o in capture.objects() if o.get("event") == "queue_summary"]
+    assert data["job"] == "exam-worker" and data["level"] == "INFO"
+    assert (data["ticks"], data["items"], data["failed_items"], data["inserted"]) == (4, 32, 0, 30)
+    p50, p95 = data["lag_p50_seconds"], data["lag_p95_seconds"]
+    assert isinstance(p50, float) and isinstance(p95, float) and 0 < p50 <= p95
+    assert "horizon" not in data
+
+    # a window that ends quiet is written by flush (the heartbeat's), naming
+    # the horizon while one is held
+    capture.clear()
+    with engine.begin() as conn:
+        pgjobs.enqueue(conn, "exam-worker", [[3]])
+    pgjobs.run_once(job, database=engine)
+    summary.set_horizon("pid 4242 (report, active) for 6m0s", {"pid": 4242})
+    summary.flush()  # not a minute yet: nothing
+    assert capture.lines() == []
+    clock.now += 61
+    summary.flush()
+    (line,) = capture.lines()
+    assert "exam-worker: 1 item in 1 tick in the last 61 s" in line
+    assert line.endswith("xmin horizon held by pid 4242 (report, active) for 6m0s")
+    (data,) = capture.objects()
+    assert data["horizon"] == {"pid": 4242}
+
+
+def test_queue_ticks_show_at_debug() -> None:
+    from pgjobs import logs
+
+    logger = logging.getLogger("pgjobs.test-debug")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    saved = logs.SUMMARY
+    logs.SUMMARY = logs.QueueSummary(clock=Clock())
+    try:
+        result = _result(job="w", items=1, detail={"claimed": 1})
+        logs.ran(logger, result)
+    finally:
+        logs.SUMMARY = saved
+        logger.removeHandler(handler)
+    (record,) = records
+    assert record.levelno == logging.DEBUG and record.getMessage().startswith("w ran in")

@@ -95,6 +95,26 @@ def test_elsewhere_each_stage_prints_one_plain_line_when_it_ends() -> None:
     ]
 
 
+def test_a_sliced_run_shows_pieces_rows_and_an_eta() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    display = Display("hashes", out, tty=False, clock=clock, refresh=False)
+    display("slices", 10, 100)  # joined a run with 10 pieces done
+    for done, rows in ((20, 500), (40, 1500)):
+        clock.now += 1.5
+        display("slice-rows", rows, None)
+        display("slices", done, 100)
+    assert display._text() == (
+        "hashes: slices 40/100 pieces (40%), 1,500 rows written, ETA 6s · 3.0s"
+    )  # 30 pieces in 3 s: 60 left, 6 s
+    clock.now += 1
+    display("slice-rows", 2500, None)
+    display("slices", 100, 100)
+    display.close()
+    assert out.getvalue().splitlines() == [
+        "hashes: slices 100/100 pieces (100%), 2,500 rows written · 4.0s"
+    ]
+
+
 def test_on_a_terminal_the_clock_moves_a_stage_that_reports_nothing() -> None:
     # One pass (no chunks): "writing rows" is one statement, and the line
     # still moves while it runs.

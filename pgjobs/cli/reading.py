@@ -12,6 +12,7 @@ import click
 
 from ..config import Config
 from ..durations import format_duration
+from ..horizon import Horizon, held_past, horizon_line
 from ..registry import Registry
 from .base import (
     EXIT_FAILED,
@@ -88,10 +89,10 @@ def _until(when: datetime | None, now: datetime) -> str:
 
 def _status(
     registry: Registry, config: Config, url: str | None
-) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], datetime, list[dict[str, Any]], Horizon | None]:
     """Every job's row of ``pgjobs status``: registered jobs first, then jobs
-    that are no longer registered but still have a state; and the schedulers'
-    heartbeats."""
+    that are no longer registered but still have a state; the schedulers'
+    heartbeats; and the database's oldest snapshot or transaction."""
     from ..database import engine_for
     from ..operate import last_check_of, paused_of
     from ..readmodel import read_status
@@ -131,9 +132,23 @@ def _status(
                 "queue": None if queues is None else queues.get(name),
                 "paused": paused_of(state),
                 "last_check": last_check_of(read.last_checked.get(name)),
+                # a sliced run in progress (docs/slices.md)
+                "sliced": read.sliced.get(name),
             }
         )
-    return rows, read.now, read.schedulers
+    return rows, read.now, read.schedulers, read.horizon
+
+
+def sliced_line(run: dict[str, Any], now: Any) -> str:
+    """A sliced run in progress, in one line."""
+    processes = run.get("processes") or []
+    resumed = ", resumed" if run.get("resumed") else ""
+    return (
+        f"sliced run in progress: {run['done']:,}/{run['pieces']:,} pieces in"
+        f" {run['slices']:,} slices, {run['written']:,} rows written, started"
+        f" {_ago(run['started_at'], now)}, last slice {_ago(run['touched_at'], now)},"
+        f" {len(processes)} process(es){resumed}"
+    )
 
 
 def _queue_text(queue: dict[str, Any] | None) -> str:
@@ -192,7 +207,8 @@ def status(
 
     with _errors():
         config, registry, url = _load(config_path, database)
-        rows, now, schedulers = _status(registry, config, url)
+        rows, now, schedulers, horizon = _status(registry, config, url)
+        held = held_past(horizon, config.horizon_warning)
         if health:
             problems = _unhealthy(rows, max_dead)
             click.echo(
@@ -202,7 +218,13 @@ def status(
                 sys.exit(EXIT_FAILED)
             return
         if as_json:
-            data = {"now": now, "jobs": rows, "schedulers": schedulers}
+            data = {
+                "now": now,
+                "jobs": rows,
+                "schedulers": schedulers,
+                "horizon": None if horizon is None else horizon.as_dict(),
+                "horizon_held": held,
+            }
             click.echo(json.dumps(_jsonable(data), indent=2))
         else:
             table = []
@@ -256,10 +278,15 @@ def status(
                     click.echo(f"\n{r['job']}: paused since {since} by {paused['by']}{why}")
                 if r["last_check"]:
                     click.echo(f"\n{r['job']}: {check_line(r['last_check'], now)}")
+                if r["sliced"]:
+                    click.echo(f"\n{r['job']}: {sliced_line(r['sliced'], now)}")
             if schedulers:  # their heartbeats (pgjobs.heartbeat)
                 from ..operate import schedulers_table
 
                 click.echo("\n" + schedulers_table(schedulers, now))
+            if held:
+                assert horizon is not None
+                click.echo(f"\n{horizon_line(horizon)}")
         if any(r["failures"] for r in rows):
             sys.exit(EXIT_FAILED)
 

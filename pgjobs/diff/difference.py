@@ -89,7 +89,15 @@ def _target_side(plan: Plan) -> tuple[sql.Composable, sql.Composable]:
     scope = plan.scope.columns
     rows = plan.scope.rows
     target_side: sql.Composable
-    if rows is not None and rows < ANALYZE_ROWS and t.indexed(scope):
+    if plan.scope.target_filter is not None:
+        # The scope's rows are those the filter (a key range) selects: read
+        # through the target's index over it; the keys table only bounds
+        # the new rows (``outside``). A join from the keys table was a
+        # nested loop of one probe per key (the table is not analyzed).
+        target_side = sql.SQL("(select {} from {} where {}) as t").format(
+            idents(target_cols), t.ident, plan.scope.target_filter
+        )
+    elif rows is not None and rows < ANALYZE_ROWS and t.indexed(scope):
         # A few keys: one index probe each (OFFSET 0 keeps the subquery
         # a parameterized scan), never a scan of the whole target, which
         # the estimate of an unanalyzed keys table can lead to.

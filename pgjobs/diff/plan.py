@@ -42,6 +42,16 @@ class Scope:
     #: writes lies within its scope, so each parent key such a row needs is
     #: one of those held.
     parents_locked: bool = False
+    #: a condition on the target's own columns that selects exactly the
+    #: target's rows in scope (a sliced run's key range, its values inlined:
+    #: the session's statements carry no parameters). The target's side of
+    #: the difference is then read by it alone, through the target's index
+    #: over the range, and ``keys`` only bounds the new rows (those outside
+    #: it are refused as always): with a join from the keys table the
+    #: planner walked the target's index from its first key (merge join) or
+    #: probed it once per key (nested loop), and a slice near the end of 10 M
+    #: rows read most of them
+    target_filter: sql.Composable | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.parents_locked, bool):

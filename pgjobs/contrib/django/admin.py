@@ -49,7 +49,7 @@ def _status() -> tuple[list[dict[str, Any]], Any]:
 
     given = preset(load())
     registry = given.registry(given.config)
-    rows, now, _ = status_rows(registry, given.config, given.url)
+    rows, now, _, _ = status_rows(registry, given.config, given.url)
     for row in rows:
         row["kind"] = registry.get(row["job"]).kind if row["registered"] else ""
     return rows, now

@@ -1,0 +1,317 @@
+"""The body of a sliced :class:`~pgjobs.RecomputeJob` (one with a ``scope``):
+the run goes slice by slice, each slice its own short transaction.
+
+A tick joins the job's run in progress, or starts one (:mod:`.progress`),
+then takes slices until none is free: each claims the next free pieces
+(consecutive, one key range), computes their keys' new rows
+(:mod:`.compute`), diffs them against the target's rows of the same keys
+(a scoped diff: the keys of the new rows and of the target's rows in the
+range, so vanished keys are deleted) and writes them with the diff writer's
+guarantees, flow's exclusion included, then marks the pieces done, in one
+commit (``ctx.checkpoint``). The slice that does the run's last piece
+records the run with the sums of every slice; a tick that finds the rest
+taken by other processes ends ``busy``. The reasons: ``docs/DESIGN.md``,
+"Slices".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy.engine import Connection
+
+from .._pg import execute, later, send
+from ..diff import DiffWriter, Scope, WriteResult
+from ..errors import ConfigError
+from ..flow import FlowPlan, WorkersChanged, prune_query
+from ..jobs import Locks, RecomputeJob, RunContext
+from ..locking import WAIT_XACT_SQL, lock_name, recompute_lock_name
+from ..recompute import Prepared, RecomputeBody, _Flow, run_recompute
+from ..results import DiffStats, Execution
+from ..scoping import KeyRange, range_condition
+from ..staging import Staged, check_coverage
+from ..target import Target, describe, reflect_target
+from .compute import SliceCompute
+from .cut import MAX_PIECES, key_source
+from .progress import Runs
+
+log = logging.getLogger(__name__)
+
+#: the keys a slice's diff covers (the scope's keys of its new rows and of
+#: the target's rows in its range), dropped at the slice's commit
+KEYS_TABLE = "pgjobs_slice_keys"
+#: how much a slice may grow or shrink from one to the next
+GROWTH = 4.0
+#: a cron job's run starts over after this long without a slice (it has no interval)
+CRON_FRESH = timedelta(days=1)
+
+_told_pooled: set[str] = set()
+
+
+class SlicedBody(RecomputeBody):
+    """How the runner runs a sliced :class:`~pgjobs.RecomputeJob`: as a
+    recompute (the same work check, prefetch and next run), with the group's
+    recompute lock shared and slices in place of one snapshot."""
+
+    def locks(self, job: RecomputeJob, ctx: RunContext) -> Locks:
+        return Locks.RECOMPUTE_SHARED
+
+    def chunked(self, job: RecomputeJob, ctx: RunContext) -> bool:
+        return True
+
+    def execute(
+        self, conn: Connection, job: RecomputeJob, ctx: RunContext, prefetched: Prepared
+    ) -> Execution:
+        if ctx.checkpoint is None:
+            # behind a transaction pooler: no commit part-way, one snapshot
+            if job.name not in _told_pooled:
+                _told_pooled.add(job.name)
+                log.warning(
+                    "pgjobs: %s: runs unsliced: it cannot commit slice by slice here", job.name
+                )
+            return run_recompute(conn, job, ctx, prefetched)
+        try:
+            return run_sliced(conn, job, ctx, prefetched)
+        except WorkersChanged as exc:
+            log.warning("pgjobs: %s: gives up this tick and tries again: %s", job.name, exc)
+            return Execution(busy=True, detail={"flow": "changed", "flow_reason": str(exc)})
+
+
+SLICED = SlicedBody()
+
+
+def check_scope(job: RecomputeJob, target: Target) -> None:
+    """The scope's columns are the target's (a clear error otherwise)."""
+    missing = [c for c in job.scope if c not in target.types and c not in target.key]
+    if missing:
+        raise ConfigError(
+            f"RecomputeJob {job.name!r}: scope: {target.label} has no column(s)"
+            f" {', '.join(missing)}, got {list(job.scope)!r}"
+        )
+    if target.self_reference is not None:
+        raise ConfigError(
+            f"RecomputeJob {job.name!r}: scope: {target.label} references itself, and a slice"
+            " could write rows that point at another slice's: set sliced = false"
+        )
+
+
+def fresh_for(job: RecomputeJob) -> timedelta:
+    """How long a run may go without a slice and still be resumed: the job's
+    interval (a day for a cron job). An older run starts over: its slices
+    saw the sources too long ago to be joined with new ones."""
+    return job.interval or CRON_FRESH
+
+
+def run_sliced(
+    conn: Connection, job: RecomputeJob, ctx: RunContext, prepared: Prepared
+) -> Execution:
+    """The sliced run (module docstring), inside the tick's transaction;
+    ``ctx.checkpoint`` commits each slice."""
+    assert ctx.checkpoint is not None
+    target = reflect_target(
+        conn, job.target, key=job.key, parents=job.parents, prefetched=prepared.fingerprint
+    )
+    check_scope(job, target)
+    source = key_source(target, job.scope)
+    compute = SliceCompute(conn, job, target, source)
+    report = compute.check(conn)  # refuses a slice that would compute every key
+    runs = Runs(conn, ctx.schema, job.name, job.group or job.name, ctx.worker)
+    group = job.group or job.name
+    run = runs.join_or_start(
+        source, job.scope, fresh_for(job), recompute_lock_name(ctx.namespace, group)
+    )
+    if run is None:
+        return Execution(busy=True, detail={"sliced": "another job of the group runs sliced"})
+    ctx.checkpoint()  # the run's pieces committed: other processes may join it
+    plan = prepared.plan
+    write_lock = lock_name(ctx.namespace, job.group or job.name)
+    count, mine, rows_mine, written = 1, 0, 0, 0
+    ctx.report("slices", run.done, run.pieces)
+    while True:
+        started = time.perf_counter()
+        pieces = runs.claim(run.id, count)
+        if not pieces:
+            # the pieces left are other processes' slices under way: theirs
+            # is the run's end, and its record
+            return Execution(
+                busy=True,
+                detail={"sliced": "joined", "slices_here": mine, "rows_here": rows_mine},
+            )
+        how = KeyRange(low=pieces[0].low, high=pieces[-1].high)
+        done_slice = _slice(conn, job, ctx, target, plan, compute, how, write_lock)
+        seconds = time.perf_counter() - started
+        stats = done_slice.result.stats
+        sums = {
+            "inserted": stats.inserted,
+            "updated": stats.updated,
+            "deleted": stats.deleted,
+            "skipped": stats.skipped_missing_parent,
+            "unchanged": stats.unchanged,
+            "excluded": int(done_slice.result.detail.get("excluded", 0)),
+            "deferred": done_slice.result.deferred,
+            "compute_seconds": done_slice.compute_seconds,
+            "write_seconds": done_slice.result.write_seconds,
+            "lock_seconds": done_slice.result.lock_seconds,
+        }
+        done, total = runs.done(run.id, pieces, done_slice.staged.rows, seconds, sums)
+        mine += 1
+        rows_mine += done_slice.staged.rows
+        written += stats.inserted + stats.updated + stats.deleted
+        ctx.report("slice-rows", written, None)
+        if done >= total:
+            ctx.report("slices", done, total)
+            return _finished(runs, run.id, target, plan, report, mine)
+        count = _next_count(count, seconds, job.slice_target, done_slice, job.chunk_rows)
+        ctx.checkpoint()
+        ctx.report("slices", done, total)  # committed
+
+
+class _Done:
+    __slots__ = ("compute_seconds", "result", "staged")
+
+    def __init__(self, staged: Staged, result: WriteResult, compute_seconds: float) -> None:
+        self.staged, self.result, self.compute_seconds = staged, result, compute_seconds
+
+
+def _slice(
+    conn: Connection,
+    job: RecomputeJob,
+    ctx: RunContext,
+    target: Target,
+    plan: FlowPlan,
+    compute: SliceCompute,
+    how: KeyRange,
+    write_lock: str,
+) -> _Done:
+    """One slice, in the caller's transaction: its snapshot (with flow, S0),
+    the new rows of its keys, the scoped diff and its writes."""
+    flow = None
+    if plan.flows:
+        flow = _Flow.start(conn, job, ctx, target, plan)
+        # the records no recompute will read again (as an unsliced run does)
+        ctx.before_commit.append(prune_query(ctx.schema, target.label))
+    elif plan.state != "no workers":
+        # without flow a worker's write between the compute and the writes
+        # would be overwritten: the write lock from the slice's start
+        later(conn, WAIT_XACT_SQL, (write_lock,))
+    started = time.perf_counter()
+    staged, _ = compute.stage(conn, how)
+    check_coverage(target, staged.columns, job.columns, "the new rows")
+    keys = keys_table(conn, target, job.scope, staged, how)
+    compute_seconds = time.perf_counter() - started
+    scope = Scope(
+        columns=job.scope,
+        keys=sql.Identifier(KEYS_TABLE),
+        rows=keys,
+        target_filter=target_range(job.scope, how),
+    )
+    with DiffWriter(conn, target, staged, scope=scope) as writer:
+        for chunk in writer.chunks:
+            if flow is not None:
+                flow.exclude(writer, chunk)
+            elif plan.state == "no workers":
+                # no queue worker of the target is known: the write lock
+                # only for the writes (another job of the group may hold it)
+                send(conn, (WAIT_XACT_SQL, (write_lock,)))
+            writer.write_chunk(chunk)
+        if flow is not None:
+            flow.prune()
+        result = writer.finish()
+    return _Done(staged, result, compute_seconds)
+
+
+def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
+    """The slice's key range on the target's columns, its values inlined."""
+    where, _ = range_condition([sql.Identifier(c) for c in scope], how, literal=True)
+    return where
+
+
+def keys_table(
+    conn: Connection, target: Target, scope: tuple[str, ...], staged: Staged, how: KeyRange
+) -> int:
+    """The slice's keys: those of its new rows in its range (a new row
+    outside it fails the slice, naming it: a keyed compute's rows must be
+    its keys'); their count. The target's rows are read by the range itself
+    (:func:`target_range`), so a key whose new rows vanished is deleted."""
+    cols = sql.SQL(", ").join(map(sql.Identifier, scope))
+    where, params = range_condition([sql.Identifier(c) for c in scope], how)
+    made = execute(
+        conn,
+        sql.SQL(
+            "create temp table {k} on commit drop as select distinct {cols} from {s} where {where}"
+        ).format(k=sql.Identifier(KEYS_TABLE), cols=cols, s=staged.table, where=where),
+        params,
+    )
+    return max(made.rowcount, 0)
+
+
+def _next_count(count: int, seconds: float, target: float, done: _Done, chunk_rows: int) -> int:
+    """The next slice's pieces: about ``target`` seconds at this slice's pace,
+    within a factor :data:`GROWTH` of this one; and no larger than makes a
+    difference of about ``chunk_rows`` rows (the chunk bound of an unsliced
+    run: how long a user's delete may wait for a slice's row locks)."""
+    pace = target / max(seconds, 1e-3)
+    wanted = count * min(GROWTH, max(1 / GROWTH, pace))
+    planned = sum(done.result.detail.get("planned", {}).values())
+    if planned > chunk_rows:
+        wanted = min(wanted, count * chunk_rows / planned)
+    return max(1, min(MAX_PIECES, int(wanted)))
+
+
+def _finished(
+    runs: Runs,
+    run_id: int,
+    target: Target,
+    plan: FlowPlan,
+    report: Any,
+    mine: int,
+) -> Execution:
+    """The run's last slice: the sums of every slice, for its record."""
+    summary = runs.finish(run_id)
+    stats = DiffStats(
+        inserted=int(summary["inserted"]),
+        updated=int(summary["updated"]),
+        deleted=int(summary["deleted"]),
+        skipped_missing_parent=int(summary["skipped"]),
+        unchanged=int(summary["unchanged"]),
+    )
+    sliced = {
+        "slices": summary["slices"],
+        "pieces": summary["pieces"],
+        "processes": summary["processes"],
+        "resumed": summary["resumed"],
+        "slices_here": mine,
+        "run_started_at": summary["started_at"].isoformat(),
+    }
+    detail: dict[str, Any] = {
+        "target": describe(target),
+        "flow": plan.state,
+        "sliced": sliced,
+        "excluded": int(summary["excluded"]),
+        "deferred": int(summary["deferred"]),
+    }
+    if report is not None and report.warnings:
+        detail["plan_warnings"] = list(report.warnings)
+    return Execution(
+        stats=stats,
+        compute_seconds=float(summary["compute_seconds"]),
+        write_seconds=float(summary["write_seconds"]),
+        lock_seconds=float(summary["lock_seconds"]),
+        detail=detail,
+    )
+
+
+__all__ = [
+    "KEYS_TABLE",
+    "SLICED",
+    "SlicedBody",
+    "check_scope",
+    "fresh_for",
+    "keys_table",
+    "run_sliced",
+    "target_range",
+]
