@@ -19,6 +19,15 @@ indexed materialized view over the same SQL (``--mv``), under the same user
 and sampler. And the resume: a sliced run SIGKILLed half-way (by its
 progress rows), then the next run's time against a full run's (``--kill``).
 
+And the queue beside it (``--queue-rate 400``, then only this): users
+enqueue that many new keys a second to the group's queue job, which
+``pgjobs run`` (a child process) works throughout, while a sliced
+recompute runs, an unsliced one, or none (for as long as the sliced one
+took), in an order rotating round by round. Each key's lag: from the
+commit of its enqueue (the user's clock after the commit returned) to the
+compute that wrote its row (``clock_timestamp()`` in the queue job's SQL,
+the same machine's clock); p50 / p95 / max of the keys enqueued in each.
+
     PGJOBS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test \\
         python benchmarks/slice_bench.py --parents 200000      # small first
     ... python benchmarks/slice_bench.py                        # 2 M parents, 10 M rows
@@ -86,6 +95,12 @@ def child(args: Any) -> None:
     url = with_db(args.dsn, DB, APP).replace("postgresql://", "postgresql+psycopg://", 1)
     started = time.perf_counter()
     result = pgjobs.run_once(job(args, args.mode == "sliced"), url, force=True)
+    # beside the queue, the group's lock is the worker's at times: a tick then
+    # ends busy, and a user's next tick (as the scheduler's busy_retry) gets it
+    deadline = time.monotonic() + 120
+    while args.retry_busy and str(result.outcome) == "busy" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        result = pgjobs.run_once(job(args, args.mode == "sliced"), url, force=True)
     print(
         json.dumps(
             {
@@ -106,7 +121,7 @@ def child(args: Any) -> None:
     )
 
 
-def spawn(args: Any, mode: str) -> subprocess.Popen[str]:
+def spawn(args: Any, mode: str, *, retry_busy: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -119,6 +134,7 @@ def spawn(args: Any, mode: str) -> subprocess.Popen[str]:
             str(args.per),
             "--slice-seconds",
             args.slice_seconds,
+            *(["--retry-busy"] if retry_busy else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -129,6 +145,159 @@ def collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
     out, _ = proc.communicate()
     lines = [line for line in out.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {"outcome": f"exit {proc.returncode}"}
+
+
+# -- the queue beside it ----------------------------------------------------------------
+QUEUE_JOB = "bench_queue"
+QUEUE_CONFIG = f"""
+[jobs.{QUEUE_JOB}]
+kind = "queue"
+group = "bench"
+target = "qderived"
+scope = ["item_id"]
+sql = "select id as item_id, clock_timestamp() as written_at from item where id = any(:keys)"
+every = "1h"
+"""
+
+
+def queue_setup(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("drop table if exists qderived, item")
+        conn.execute("create table item (id bigint primary key)")
+        conn.execute(
+            "create table qderived (item_id bigint primary key references item,"
+            " written_at timestamptz not null)"
+        )
+
+
+class Enqueuers:
+    """Users inserting an item and enqueueing its key in one transaction,
+    ``rate`` a second (paced on the clock, not slept per item); each key's
+    commit time (time.time() after the commit returned)."""
+
+    def __init__(self, url: str, rate: float, first_key: int) -> None:
+        self.url, self.rate, self.key = url, rate, first_key
+        self.stop = threading.Event()
+        self.committed: dict[int, float] = {}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Enqueuers:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        n = 0
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self.stop.is_set():
+                due = started + n / self.rate
+                ahead = due - time.perf_counter()
+                if ahead > 0 and self.stop.wait(ahead):
+                    break
+                key = self.key + n
+                with conn.transaction():
+                    conn.execute("insert into item values (%s)", [key])
+                    conn.execute(
+                        "select pgjobs.enqueue(%s, %s::jsonb)", [QUEUE_JOB, json.dumps([key])]
+                    )
+                self.committed[key] = time.time()
+                n += 1
+
+
+def queue_lags(url: str, committed: dict[int, float], timeout: float = 120.0) -> list[float]:
+    """Each key's lag in ms, once the queue has written them all (bounded)."""
+    keys = sorted(committed)
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            rows = conn.execute(
+                "select item_id, extract(epoch from written_at)::float8 from qderived"
+                " where item_id between %s and %s",
+                [keys[0], keys[-1]],
+            ).fetchall()
+            if len(rows) >= len(keys) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    return [1000 * (float(at) - committed[int(k)]) for k, at in rows if int(k) in committed]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
+    """The queue's lag with a sliced recompute, an unsliced one and none."""
+    import tempfile
+
+    queue_setup(url)
+    config = os.path.join(tempfile.mkdtemp(prefix="slice-bench-"), "pgjobs.toml")
+    with open(config, "w") as f:
+        f.write(QUEUE_CONFIG)
+    env = {**os.environ, "PGJOBS_DATABASE_URL": url, "PGJOBS_LOAD_PLUGINS": ""}
+    script = os.path.join(os.path.dirname(sys.executable), "pgjobs")
+    runner = subprocess.Popen(
+        [script, "-c", config, "run"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        # warm: the worker is up and has drained a first few keys
+        with Enqueuers(url, args.queue_rate, 1) as users:
+            time.sleep(3)
+        queue_lags(url, users.committed)
+        first_key, span = 1_000_000, 10_000_000
+        modes = ["none", "sliced", "whole"]
+        for r in range(args.rounds):
+            order = modes[r % 3 :] + modes[: r % 3]
+            for mode in order:
+                print(
+                    f"queue round {r + 1}: {change(url, args.changed, 20 + 3 * r + len(rows))} parents changed"
+                )
+                with Enqueuers(url, args.queue_rate, first_key) as users:
+                    started = time.perf_counter()
+                    if mode == "none":
+                        time.sleep(args.queue_idle)
+                        result: dict[str, Any] = {"outcome": "-"}
+                    else:
+                        result = collect(spawn(args, mode, retry_busy=True))
+                    wall = time.perf_counter() - started
+                first_key += span
+                lags = queue_lags(url, users.committed)
+                row = {
+                    "run": f"queue at {args.queue_rate:g}/s, recompute: {mode}",
+                    "wall_s": round(wall, 2),
+                    "outcome": result.get("outcome"),
+                    "slices": result.get("slices"),
+                    "enqueued": len(users.committed),
+                    "written": len(lags),
+                    "lag_p50_ms": round(pct(lags, 0.5), 1),
+                    "lag_p95_ms": round(pct(lags, 0.95), 1),
+                    "lag_max_ms": round(max(lags, default=float("nan")), 1),
+                }
+                print(json.dumps(row))
+                rows.append(row)
+    finally:
+        runner.send_signal(signal.SIGTERM)
+        try:
+            runner.wait(30)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            runner.wait(10)
+    for mode in ("sliced", "whole"):
+        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(mode)]
+        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith("none")]
+        if mine and none:
+            ratio = statistics.median(mine) / statistics.median(none)
+            print(f"queue lag p95, recompute {mode} / none: {ratio:.2f}x (medians over rounds)")
+    return rows
 
 
 # -- the user and the sampler ----------------------------------------------------------
@@ -345,7 +514,17 @@ def main() -> int:
     parser.add_argument(
         "--reuse", action="store_true", help="the database of an earlier run, as it is"
     )
+    parser.add_argument(
+        "--queue-rate",
+        type=float,
+        default=0.0,
+        help="only the queue beside a recompute: keys enqueued a second (e.g. 400)",
+    )
+    parser.add_argument(
+        "--queue-idle", type=float, default=15.0, help="seconds of the queue alone, a round"
+    )
     parser.add_argument("--child", choices=("sliced", "whole"), dest="mode")
+    parser.add_argument("--retry-busy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.dsn:
         parser.error("give --dsn or set PGJOBS_TEST_DSN")
@@ -360,6 +539,10 @@ def main() -> int:
     if not args.reuse:
         # a first sliced run installs pgjobs' schema and finds nothing to change
         print("warm-up:", json.dumps(collect(spawn(args, "sliced"))))
+    if args.queue_rate > 0:
+        queue_beside(args, url)
+        print(f"load average: {os.getloadavg()}")
+        return 0
     rows = []
     for r in range(args.rounds):
         order = ["whole", "sliced"] if r % 2 == 0 else ["sliced", "whole"]

@@ -146,6 +146,7 @@ def resolve_engine(
     *,
     field: str = "database",
     call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    pooled: bool | None = None,
 ) -> tuple[Engine, bool]:
     """Return ``(engine, owned)``; an owned engine is disposed of by the caller.
 
@@ -153,7 +154,8 @@ def resolve_engine(
     host or several), an :class:`~sqlalchemy.engine.Engine`, or ``None`` for
     ``$PGJOBS_DATABASE_URL``. Either way each round trip of the engine's
     connections has a deadline of ``call_timeout`` seconds unless a tick
-    sets its own (:mod:`pgjobs.deadline`).
+    sets its own (:mod:`pgjobs.deadline`). ``pooled``: a transaction pooler
+    is in between (``None``: as ``$PGJOBS_TRANSACTION_POOLING`` says).
     """
     if isinstance(database, Engine):
         bound_engine(database, call_timeout, own=False)
@@ -177,7 +179,8 @@ def resolve_engine(
     }
     if "application_name" not in parsed.query and not os.environ.get("PGAPPNAME"):
         connect_args["application_name"] = application_name()
-    pooled = transaction_pooling()
+    if pooled is None:
+        pooled = transaction_pooling()
     if pooled:
         # A statement prepared on one server session is unknown on the next.
         connect_args["prepare_threshold"] = None
@@ -191,12 +194,15 @@ def resolve_engine(
 
 @contextlib.contextmanager
 def engine_for(
-    database: str | Engine | None, *, call_timeout: float = DEFAULT_CALL_TIMEOUT
+    database: str | Engine | None,
+    *,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    pooled: bool | None = None,
 ) -> Iterator[Engine]:
     """:func:`resolve_engine` for the length of a block: an engine pgjobs
     made from a URL is disposed of after it (what a CLI command or a
     one-off call uses)."""
-    engine, owned = resolve_engine(database, call_timeout=call_timeout)
+    engine, owned = resolve_engine(database, call_timeout=call_timeout, pooled=pooled)
     try:
         yield engine
     finally:

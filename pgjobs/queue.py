@@ -221,7 +221,7 @@ def enqueue(
     job's first tick); otherwise :class:`~pgjobs.PgJobsError` says so.
     An async application awaits :func:`enqueue_async` instead.
     """
-    call = _enqueue_call(job, keys, schema)
+    call = enqueue_call(job, keys, schema)
     if call is None:
         return 0
     raw = _raw(conn)
@@ -248,7 +248,7 @@ async def enqueue_async(
             await conn.execute(update(exam).where(exam.c.id == 7).values(title="x"))
             await pgjobs.enqueue_async(conn, "exam-worker", [7])
     """
-    call = _enqueue_call(job, keys, schema)
+    call = enqueue_call(job, keys, schema)
     if call is None:
         return 0
     raw = await _araw(conn)
@@ -259,10 +259,11 @@ async def enqueue_async(
     return int(row[0]) if row else 0
 
 
-def _enqueue_call(
+def enqueue_call(
     job: str | Queued, keys: Iterable[Any], schema: str
 ) -> tuple[sql.Composed, tuple[str, str]] | None:
-    """The enqueue statement and its parameters; ``None`` when there are no keys."""
+    """The enqueue statement and its parameters; ``None`` when there are no keys
+    (what :func:`enqueue` sends; ``pgjobs.contrib.django`` sends it on Django's cursor)."""
     if isinstance(job, Queued):
         name, width = job.name, len(job.scope)
     elif isinstance(job, str) and job:
@@ -581,6 +582,7 @@ __all__ = [
     "drop_statements",
     "enqueue",
     "enqueue_async",
+    "enqueue_call",
     "install_enqueue_trigger",
     "install_enqueue_trigger_async",
     "key_json",

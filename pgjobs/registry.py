@@ -21,6 +21,7 @@ Each step's reasons: ``docs/DESIGN.md``, "Config and plugins".
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import logging
@@ -28,7 +29,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -144,6 +145,14 @@ class Registry:
         registry._check_groups()
         registry._check_derived()
         return registry
+
+    def mapped(self, change: Callable[[Job], Job]) -> Registry:
+        """A copy whose jobs are ``change(job)``, each keeping its owner (a
+        host application wraps the jobs' bodies: ``pgjobs.contrib.django``
+        closes Django's connections around them)."""
+        changed = copy.copy(self)  # the plugins and owners shared, the jobs its own
+        changed._entries = {n: replace(e, job=change(e.job)) for n, e in self._entries.items()}
+        return changed
 
     def _load_entry_points(
         self,

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent / "pgjobs"
 DESIGN = ROOT.parent / "docs" / "DESIGN.md"
 
 LAYERS: list[tuple[str, set[str]]] = [
+    # pgjobs in other frameworks (the Django app): built on the face's API and CLI
+    ("contrib", {"contrib"}),
     (
         "face",
         {

@@ -10,16 +10,31 @@ every change users saw commit is there), the first item processed within
 (woken by NOTIFY: the job's ``every`` is an hour), ``pgjobs run`` alive with
 no traceback, and SIGTERM stopping it within its bound.
 benchmarks/failover_bench.py runs the same five times each, with figures.
+
+And a sliced recompute (docs/slices.md) cut by a switchover half-way: it
+resumes on the new primary, with only the pieces left, and ends exact.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from ha import Formation, formation
 from ha_scenario import SHUTDOWN_BOUND, Outcome, describe, scenario
+from psycopg import sql
+from sqlalchemy import create_engine, text
+from test_slices import DERIVE, PARENTS, SCHEMA, wrong_rows
+from test_slices_kill import CONFIG, GATE, GATE_FUNCTION, pgjobs_command, until
+
+import pgjobs
+from pgjobs.config import load_config
 
 pytestmark = pytest.mark.needs("pg_auto_failover")
 
@@ -65,3 +80,85 @@ def test_planned_switchover(ha: Formation, tmp_path: Path) -> None:
 
 def test_crash_of_the_primary(ha: Formation, tmp_path: Path) -> None:
     check(scenario(ha, "crash", tmp_path))
+
+
+def test_a_sliced_recompute_cut_by_a_switchover_resumes_on_the_new_primary(
+    ha: Formation, tmp_path: Path
+) -> None:
+    """``pgjobs once`` of a sliced recompute (tests/test_slices_kill.py's job,
+    held at its gate after the first piece) when a planned switchover comes:
+    the slice in flight dies with the old primary; the committed piece is on
+    the new one, and the next run there resumes, does only the pieces left
+    and ends exact."""
+    name = f"sliced_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ha.conninfo(), autocommit=True) as conn:
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    url = ha.sqlalchemy_url(name)
+    with psycopg.connect(ha.conninfo(name)) as conn:
+        conn.execute(SCHEMA + GATE_FUNCTION)
+    pgjobs.install(url)
+    path = tmp_path / "pgjobs.toml"
+    path.write_text(CONFIG)
+    (job,) = load_config(path).jobs
+    engine = create_engine(url, pool_pre_ping=True)
+    log = tmp_path / "once.log"
+    try:
+        gate = psycopg.connect(ha.conninfo(name), autocommit=True)
+        gate.execute("select pg_advisory_lock(%s)", (GATE,))
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [*pgjobs_command(), "once", "sliced", "-c", str(path)],
+                env={**os.environ, "PGJOBS_DATABASE_URL": ha.libpq_url(name)},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            half_way = (
+                "select (select max(done) from pgjobs.slice_run) >= 1 and exists (select from"
+                " pg_locks where locktype = 'advisory' and objid = %s and not granted)"
+            )
+            until(
+                lambda: proc.poll() is not None or gate.execute(half_way, (GATE,)).fetchone()[0],  # type: ignore[index]
+                "the run's first slice committed and its second waiting at the gate",
+            )
+            assert proc.poll() is None, log.read_text()
+            old = ha.primary()
+            # the first slice's commit on the standby before the switchover: a
+            # commit the HA engine loses (seen once, the formation just started)
+            # is its loss, and would prove nothing about pgjobs' resume
+            lsn = gate.execute("select pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+            (standby,) = [n for n in ha.nodes if n != old]
+            with psycopg.connect(ha.node_url(standby), autocommit=True) as conn:
+                replayed = "select pg_last_wal_replay_lsn() >= %s::pg_lsn"
+                until(
+                    lambda: conn.execute(replayed, (lsn,)).fetchone()[0],  # type: ignore[index]
+                    "the standby replayed the first slice",
+                )
+            assert ha.switchover() is None, ha.events(0)
+            new = ha.primary()
+            assert new != old
+            # the slice in flight died with the old primary's sessions; pgjobs once
+            # reports it and ends (the next tick takes the run up)
+            code = proc.wait(SWITCHOVER_BOUND)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            with contextlib.suppress(psycopg.Error):
+                gate.close()
+        assert code != 0, log.read_text()
+        with engine.connect() as conn:
+            cut = conn.execute(text("select done, pieces, slices from pgjobs.slice_run")).one()
+        assert cut.pieces == 3 and cut.done == 1, cut  # the committed piece survived
+
+        resumed = pgjobs.run_once(job, engine, force=True)
+        assert resumed.outcome == "ran", resumed.error
+        assert resumed.resumed
+        sliced = resumed.detail["sliced"]
+        assert sliced["slices_here"] == sliced["slices"] - cut.slices >= 1
+        assert resumed.stats.inserted == 3 * PARENTS
+        assert wrong_rows(engine, DERIVE) == (0, 0)
+    finally:
+        engine.dispose()
+        ha.wait_healthy()  # the next test starts from a formation like this one's

@@ -106,6 +106,16 @@ def test_plugin_objects_and_owners(tmp_path: Path) -> None:
     )
 
 
+def test_mapped_changes_each_job_and_keeps_its_owner() -> None:
+    a = plugin(TASK.format(name="a"))
+    registry = Registry.load(plugins=[a], entry_points=False)
+    mapped = registry.mapped(lambda job: job.replace(description=f"wrapped {job.name}"))
+    assert [(e.job.name, e.owner, e.job.description) for e in mapped.entries()] == [
+        ("a", a.__name__, "wrapped a")
+    ]
+    assert registry.get("a").description != "wrapped a"  # the original is left as it was
+
+
 def test_a_duplicate_name_is_refused_naming_both_owners() -> None:
     a, b = plugin(TASK.format(name="same")), plugin(TASK.format(name="same"))
     with pytest.raises(pgjobs.PluginError) as info:

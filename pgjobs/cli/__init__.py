@@ -48,15 +48,16 @@ from .base import (
 from .ticking import _summary
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, prog_name: str = "pgjobs") -> None:
     """The ``pgjobs`` console script.
 
     Once ``pgjobs run`` has stopped, the process runs its exit handlers
     (logging, trace exporters) and ends, without the interpreter's teardown
     of its modules: that took 0.6 to 1 s on a loaded machine, a third of a
-    ``--shutdown-timeout 2s`` budget, to free memory the system frees anyway."""
+    ``--shutdown-timeout 2s`` budget, to free memory the system frees anyway.
+    ``prog_name``: what usage lines call the command (``manage.py pgjobs``)."""
     try:
-        cli.main(args=list(argv) if argv is not None else None, prog_name="pgjobs")
+        cli.main(args=list(argv) if argv is not None else None, prog_name=prog_name)
     except SystemExit as exc:
         if not _STOPPED.is_set():
             raise

@@ -6,6 +6,7 @@ package's other modules, one per group; :mod:`pgjobs.cli` lists them."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import sys
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import click
 
 from ..config import Config, load_config
-from ..errors import PgJobsError
+from ..errors import ConfigError, PgJobsError
 from ..registry import Registry
 
 log = logging.getLogger("pgjobs.cli")  # the name it had as one module
@@ -142,8 +143,42 @@ def _given(name: str, value: str | None) -> str | None:
     return found if isinstance(found, str) else None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Preset:
+    """What a host application gives the commands instead of a config file
+    (``manage.py pgjobs``: the ``PGJOBS`` setting and ``DATABASES``): the
+    config, how its registry is built, and the database URL (``--database``
+    still wins over it)."""
+
+    config: Config
+    url: str | None
+    registry: Callable[[Config], Registry] = Registry.load
+
+
+_PRESET: contextvars.ContextVar[Preset | None] = contextvars.ContextVar(
+    "pgjobs_preset", default=None
+)
+
+
+@contextlib.contextmanager
+def preset(given: Preset) -> Iterator[None]:
+    """Run the commands invoked in this block with ``given`` instead of a config file."""
+    token = _PRESET.set(given)
+    try:
+        yield
+    finally:
+        _PRESET.reset(token)
+
+
 def _load(config_path: str | None, database: str | None) -> tuple[Config, Registry, str | None]:
     config_path, database = _given("config_path", config_path), _given("database", database)
+    host = _PRESET.get()
+    if host is not None:
+        if config_path is not None:
+            raise ConfigError(
+                f"--config: not here; the host application gives the config ({host.config.source})"
+            )
+        return host.config, host.registry(host.config), database or host.url
     config = load_config(config_path)
     registry = Registry.load(config)
     return config, registry, config.database_url(database)
@@ -194,5 +229,7 @@ _STOPPED = threading.Event()
 __all__ = [
     "DISTRIBUTION",
     "F",
+    "Preset",
     "cli",
+    "preset",
 ]

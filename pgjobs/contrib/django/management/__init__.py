@@ -1,0 +1,3 @@
+"""manage.py commands of the pgjobs app."""
+
+__all__: list[str] = []
