@@ -260,12 +260,13 @@ try:
         raise RuntimeError("the request failed")
 except RuntimeError:
     pass
-rolled_back = {"posts": Post.objects.count(), "queued": QueueItem.objects.count()}
+mine = QueueItem.objects.filter(job="author-stats-worker")  # the triggers enqueue post-counts:queue too
+rolled_back = {"posts": Post.objects.count(), "queued": mine.count()}
 with transaction.atomic():
     Post.objects.create(author=ann, title="hello", words=120)
     from pgjobs.contrib.django import enqueue
     queued = enqueue("author-stats-worker", [ann.pk])
-    inside = QueueItem.objects.count()
+    inside = mine.count()
 committed = time.monotonic()
 while not AuthorStats.objects.filter(pk=ann.pk).exists() and time.monotonic() - committed < 10:
     time.sleep(0.01)
@@ -320,7 +321,7 @@ def _run_and_publish(db_url: str, *, within: float = 1.0, **more: str) -> None:
     )
     lines = _Lines(worker)
     try:
-        assert lines.wait_for("pgjobs: running 2 job(s)", TIMEOUT), "".join(lines.lines)
+        assert lines.wait_for("pgjobs: running 4 job(s)", TIMEOUT), "".join(lines.lines)
         done = manage(db_url, "shell", "-c", _PUBLISH, **more)
         assert done.returncode == 0, done.stderr
         found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -348,7 +349,12 @@ def _verbs(db_url: str) -> None:
     """The other verbs of manage.py pgjobs, as pgjobs' own."""
     listed = manage(db_url, "pgjobs", "list", "--json")
     assert listed.returncode == 0, listed.stderr
-    assert [j["job"] for j in json.loads(listed.stdout)] == ["author-stats", "author-stats-worker"]
+    assert [j["job"] for j in json.loads(listed.stdout)] == [
+        "author-stats",
+        "author-stats-worker",
+        "post-counts",
+        "post-counts:queue",
+    ]
     with psycopg.connect(_libpq(db_url), autocommit=True) as conn:
         author = conn.execute(b"insert into author (name) values ('bob') returning id").fetchone()
         assert author is not None
@@ -372,9 +378,71 @@ def _verbs(db_url: str) -> None:
     status = manage(db_url, "pgjobs", "status", "--json")
     rows = {r["job"]: r for r in json.loads(status.stdout)["jobs"]}
     assert rows["author-stats-worker"]["last_outcome"] == "ran"
-    bogus = manage(db_url, "pgjobs", "migrate")
+    bogus = manage(db_url, "pgjobs", "demo")
     assert bogus.returncode == 2
-    assert "no verb 'migrate' here" in bogus.stderr
+    assert "no verb 'demo' here" in bogus.stderr
+
+
+_PLAIN_WRITES = """
+import json, time
+from django.db import transaction
+from blog.models import Author, Post, PostCounts
+
+ann = Author.objects.create(name="ann")
+with transaction.atomic():
+    Post.objects.create(author=ann, title="a", words=100)
+    Post.objects.create(author=ann, title="b", words=20)
+Post.objects.filter(title="b").update(words=25)  # a queryset update: no save(), no signal
+wanted = {"posts": 2, "words": 125}
+begun = time.monotonic()
+while time.monotonic() - begun < 10:
+    counts = PostCounts.objects.filter(pk=ann.pk).values("posts", "words").first()
+    if counts == wanted:
+        break
+    time.sleep(0.05)
+print(json.dumps({"counts": counts}))
+"""
+
+
+def test_a_declared_derived_table_follows_plain_orm_writes_under_manage_py_pgjobs_run(
+    db_url: str,
+) -> None:
+    """PGJOBS["derived"]["post-counts"]: `manage.py pgjobs run` installs the
+    triggers at start (auto_migrate); ORM writes with no enqueue reach
+    post_counts; `manage.py pgjobs check` then finds no drift."""
+    assert manage(db_url, "migrate", "--noinput").returncode == 0
+    before = manage(db_url, "pgjobs", "migrate", "--check")
+    assert before.returncode == 1, before.stdout  # the triggers are not there yet
+    worker = subprocess.Popen(
+        [sys.executable, "manage.py", "pgjobs", "run", "--shutdown-timeout", "5s"],
+        cwd=EXAMPLE,
+        env=_env(db_url),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    lines = _Lines(worker)
+    try:
+        assert lines.wait_for("pgjobs: running 4 job(s)", TIMEOUT), "".join(lines.lines)
+        done = manage(db_url, "shell", "-c", _PLAIN_WRITES)
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        assert found["counts"] == {"posts": 2, "words": 125}, "".join(lines.lines)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=TIMEOUT) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        lines.thread.join(TIMEOUT)
+        assert worker.stderr is not None
+        worker.stderr.close()
+    checked = manage(db_url, "pgjobs", "check", "post-counts")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "no drift" in checked.stdout
+    after = manage(db_url, "pgjobs", "migrate", "--check")
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert "the derived tables' triggers agree with the declarations" in after.stdout
 
 
 @pytest.mark.needs("pgbouncer")

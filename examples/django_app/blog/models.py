@@ -37,3 +37,16 @@ class AuthorStats(models.Model):
     class Meta:
         db_table = "author_stats"
         verbose_name_plural = "author stats"
+
+
+class PostCounts(models.Model):
+    """Derived: kept by the declared ``PGJOBS["derived"]["post-counts"]``,
+    from any write to ``author`` or ``post`` (the triggers enqueue)."""
+
+    author = models.OneToOneField(Author, on_delete=models.CASCADE, primary_key=True)
+    posts = models.IntegerField()
+    words = models.IntegerField()
+
+    class Meta:
+        db_table = "post_counts"
+        verbose_name_plural = "post counts"

@@ -121,6 +121,8 @@ class AdminTest(PgJobsTestMixin, TransactionTestCase):
         jobs = self.client.get("/admin/pgjobs/jobstate/").content.decode()
         self.assertIn('href="/admin/pgjobs/run/?job=author-stats-worker"', jobs)  # its runs
         self.assertIn("Run once", jobs)
+        for job in ("author-stats", "post-counts", "post-counts:queue"):  # declared: both jobs
+            self.assertIn(f'title="its runs">{job}</a>', jobs)
 
         self.client.logout()
         # anonymous users: sent to the login page, their actions not taken

@@ -96,6 +96,25 @@ PGJOBS = {
             """,
         },
     },
+    # Declared once: the recompute `post-counts`, the queue job
+    # `post-counts:queue`, and triggers on `author` and `post` that enqueue
+    # the authors every statement touches, in its own transaction. No
+    # enqueue in the application's code; `manage.py pgjobs run` (or
+    # `manage.py pgjobs migrate`) installs the triggers.
+    "derived": {
+        "post-counts": {
+            "target": "post_counts",
+            "scope": ["author_id"],
+            "sql": """
+                select a.id as author_id, count(p.id)::integer as posts,
+                       coalesce(sum(p.words), 0)::integer as words
+                from author a left join post p on p.author_id = a.id
+                group by a.id
+            """,
+            "every": "10m",
+            "sources": {"author": ["id"], "post": ["author_id"]},
+        },
+    },
 }
 
 STATIC_URL = "static/"

@@ -6,7 +6,10 @@ database of ``DATABASES`` instead of ``pgjobs.toml`` and a URL.
 foreground until SIGTERM or SIGINT, ``--shutdown-timeout`` (or
 ``PGJOBS["shutdown_timeout"]``) the longest it waits for running jobs.
 Jobs' Python bodies run between closing Django's stale connections and
-closing their thread's ones. ``manage.py migrate`` applies pgjobs' schema.
+closing their thread's ones. ``manage.py migrate`` applies pgjobs' schema;
+``manage.py pgjobs migrate`` is ``pgjobs migrate``: the schema too, then the
+triggers of ``PGJOBS["derived"]`` (``--check``, ``--sql``), which
+``manage.py pgjobs run`` otherwise installs at start (``auto_migrate``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,18 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 #: the verbs of ``pgjobs`` that ``manage.py pgjobs`` offers
-VERBS = ("run", "once", "status", "check", "pause", "resume", "enqueue", "revive", "list")
+VERBS = (
+    "run",
+    "once",
+    "status",
+    "check",
+    "pause",
+    "resume",
+    "enqueue",
+    "revive",
+    "list",
+    "migrate",
+)
 #: what manage.py read itself before handing the command its arguments
 _DJANGO_OPTIONS = ("--settings", "--pythonpath")
 
