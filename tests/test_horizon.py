@@ -192,7 +192,8 @@ def test_pgjobs_sessions_name_their_process_and_job(engine: Engine, db_url: str)
     ]
     assert seen[0].startswith("pgjobs (") and seen[1].startswith("pgjobs: export (")
     # a name the user gave is left alone, in the tick too
-    mine, _ = resolve_engine(db_url + "?application_name=billing")
+    # (the embedded server's URL has a query already: its socket directory)
+    mine, _ = resolve_engine(db_url + ("&" if "?" in db_url else "?") + "application_name=billing")
     try:
         pgjobs.run_once(job, database=mine, force=True)
     finally:

@@ -7,7 +7,7 @@ when that is a PgBouncer in transaction mode.
 
 import os
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "example-only-not-secret")
@@ -50,14 +50,17 @@ TEMPLATES = [
 ]
 
 _url = urlsplit(os.environ.get("BLOG_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/blog"))
+# libpq's host and port may come as query parameters (a socket directory:
+# postgresql://postgres@/blog?host=/var/run/postgresql)
+_query = dict(parse_qsl(_url.query))
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": _url.path.lstrip("/"),
         "USER": unquote(_url.username or ""),
         "PASSWORD": unquote(_url.password or ""),
-        "HOST": _url.hostname or "",
-        "PORT": _url.port or "",
+        "HOST": _query.get("host") or _url.hostname or "",
+        "PORT": _query.get("port") or _url.port or "",
         # behind PgBouncer in transaction mode (Django's own setting for it;
         # pgjobs then prepares no statement either)
         "DISABLE_SERVER_SIDE_CURSORS": os.environ.get("BLOG_TRANSACTION_POOLING") == "1",
