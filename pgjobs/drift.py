@@ -373,14 +373,14 @@ class _Check:
         #: the check's snapshot at its start, as text
         self.s0 = ""
 
-    def run(self, keys: Sequence[Any] | None, started: datetime) -> CheckResult:
-        conn, job = self.conn, self.job
-        # S0: what a worker committed after it, the check's compute may not
-        # have seen (flow's marks say which keys); and whether pgjobs' tables
-        # are there at all (a check needs none of them)
+    def _start(self) -> None:
+        """S0: what a worker committed after it, the check's compute may not
+        have seen (flow's marks say which keys); and whether pgjobs' tables
+        are there at all (a check needs none of them)."""
+        conn = self.conn
         _, first = send(
             conn,
-            set_local(_settings(job)),
+            set_local(_settings(self.job)),
             (_START, (queue_table(self.schema).as_string(driver(conn)),)),
         )
         row = first.one()
@@ -388,6 +388,23 @@ class _Check:
         self.s0 = str(row[0])
         if not row[1]:
             self.workers = []
+
+    def _classify(
+        self, plan: Plan, counts: Mapping[str, int], staged: Staged
+    ) -> tuple[DiffStats, DiffStats, dict[str, tuple[Sample, ...]]]:
+        """The difference's figures, the rows of queued items apart, and the
+        samples where there is something to show."""
+        found = _Classified(self, plan)
+        stats, on_the_way = found.counts(counts, staged)
+        busy = stats.changed + stats.skipped_missing_parent + on_the_way.changed
+        return stats, on_the_way, found.samples() if self.sample and busy else {}
+
+    def run(self, keys: Sequence[Any] | None, started: datetime) -> CheckResult:
+        conn, job = self.conn, self.job
+        # S0: what a worker committed after it, the check's compute may not
+        # have seen (flow's marks say which keys); and whether pgjobs' tables
+        # are there at all (a check needs none of them)
+        self._start()
         target = reflect_target(conn, job.target, key=job.key, parents=job.parents)
         clock = time.perf_counter()
         scope: Scope | None = None
@@ -409,10 +426,7 @@ class _Check:
         clock = time.perf_counter()
         plan = Plan(target, staged, scope, preserve=False)
         counts, _ = build_difference(conn, plan, None)
-        found = _Classified(self, plan)
-        stats, on_the_way = found.counts(counts, staged)
-        busy = stats.changed + stats.skipped_missing_parent + on_the_way.changed
-        samples = found.samples() if self.sample and busy else {}
+        stats, on_the_way, samples = self._classify(plan, counts, staged)
         diff_seconds = time.perf_counter() - clock
         _audit(conn, job.name)
         return CheckResult(
@@ -435,16 +449,7 @@ class _Check:
         """One slice of a sliced job's check, in the caller's transaction:
         the slice's new rows, and the difference scoped to its keys."""
         conn, job = self.conn, self.job
-        _, first = send(
-            conn,
-            set_local(_settings(job)),
-            (_START, (queue_table(self.schema).as_string(driver(conn)),)),
-        )
-        row = first.one()
-        assert row is not None
-        self.s0 = str(row[0])
-        if not row[1]:
-            self.workers = []
+        self._start()
         clock = time.perf_counter()
         staged, _ = compute.stage(conn, how)
         check_coverage(target, staged.columns, job.columns, "the new rows")
@@ -459,10 +464,7 @@ class _Check:
         )
         plan = Plan(target, staged, scope, preserve=False)
         counts, _ = build_difference(conn, plan, None)
-        found = _Classified(self, plan)
-        stats, on_the_way = found.counts(counts, staged)
-        busy = stats.changed + stats.skipped_missing_parent + on_the_way.changed
-        samples = found.samples() if self.sample and busy else {}
+        stats, on_the_way, samples = self._classify(plan, counts, staged)
         _audit(conn, job.name)
         return CheckResult(
             job=job.name,
