@@ -71,6 +71,12 @@ class RunContext:
     #: (outside any transaction); an error there is logged, and the run's
     #: outcome stays what it was
     after_commit: list[Callable[[Connection], None]] = field(default_factory=list)
+    #: called once the job's transaction has ended without a commit (rolled
+    #: back, failed, cut off); an error there is logged
+    after_rollback: list[Callable[[], None]] = field(default_factory=list)
+    #: where each queue job's claims start (internal: one per runner, so
+    #: per database; ``None``: a claim reads from the start of the queue)
+    queue_cursors: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def report(self, phase: str, done: int | None = None, total: int | None = None) -> None:
@@ -125,6 +131,9 @@ class Body(Protocol[P]):
 
     def work_query(self, job: Any, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         """Step 2 as one statement answering one boolean, or ``None``."""
+
+    def work_answer(self, job: Any, ctx: RunContext, row: Sequence[Any] | None) -> bool:
+        """Whether :meth:`work_query`'s row (its first column) says there is work."""
 
     def check_work(self, conn: Connection, job: Any, ctx: RunContext) -> bool:
         """Step 2, in a short read-only transaction."""

@@ -362,9 +362,9 @@ def revive(
             conn,
             sql.SQL(
                 "update {} set attempts = 0, dead_at = null, last_error = null,"
-                " not_before = now(), enqueued_at = now()"
+                " not_before = now(), enqueued_at = now(), seq = {}()"
                 " where job = %s and dead_at is not null{}"
-            ).format(store.table("queue"), only),
+            ).format(store.table("queue"), store.table("queue_seq"), only),
             params,
         ).rowcount
         retried = 0

@@ -297,6 +297,9 @@ class RecomputeBody:
     ) -> tuple[sql.Composed, Sequence[Any]] | None:
         return None
 
+    def work_answer(self, job: RecomputeJob, ctx: RunContext, row: Sequence[Any] | None) -> bool:
+        return bool(row and row[0])
+
     def check_work(self, conn: Connection, job: RecomputeJob, ctx: RunContext) -> bool:
         if job.has_work is not None and not job.has_work(conn):
             return False

@@ -46,6 +46,7 @@ from .slices import SLICED
 from .steps import CANCEL_TIMEOUT, Tick
 from .store import DEFAULT_SCHEMA, Store
 from .worker import BODY as QUEUE
+from .worker.cursor import Cursors
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class _OwnBody:
 
     def work_query(self, job: Job, ctx: RunContext) -> tuple[sql.Composed, Sequence[Any]] | None:
         return job.work_query(ctx)
+
+    def work_answer(self, job: Job, ctx: RunContext, row: Sequence[Any] | None) -> bool:
+        return bool(row and row[0])
 
     def check_work(self, conn: Connection, job: Job, ctx: RunContext) -> bool:
         return job.check_work(conn, ctx)
@@ -148,6 +152,8 @@ class Runner:
         self.transients = Transients()
         #: queue ticks in a row that left items for a lock someone holds
         self.deferrals = Deferrals()
+        #: each queue job's cursor (pgjobs/worker/cursor.py)
+        self.cursors = Cursors()
         #: what ticks could not write when they happened, written later
         self.ledger = Ledger(self.store, self.worker, self.quiet, self.connect)
 

@@ -76,6 +76,7 @@ from .records import (
 )
 from .results import Execution, Outcome, RunResult
 from .store import JobState, Store
+from .worker.cursor import Cursors
 
 #: the tick logs as the runner (what operators filter on: `pgjobs.runner`)
 log = logging.getLogger("pgjobs.runner")
@@ -94,6 +95,8 @@ class Host(Protocol):
     interruptions: Interruptions
     transients: Transients
     deferrals: Deferrals
+    #: each queue job's cursor (pgjobs/worker/cursor.py)
+    cursors: Cursors
 
     def clock(self) -> datetime: ...
 
@@ -189,6 +192,7 @@ class Tick:
             now=self.started,
             progress=progress,
             worker=runner.worker,
+            queue_cursors=runner.cursors,
         )
 
     def run(self) -> RunResult:
@@ -292,7 +296,9 @@ class Tick:
                 query,
                 commit=trans,
             )
-            return self.store.state_from_row(self.job.name, state.one()), bool(work.scalar())
+            rows = work.all()
+            has_work = self.body.work_answer(self.job, self.ctx, rows[0] if rows else None)
+            return self.store.state_from_row(self.job.name, state.one()), has_work
         except Exception:
             abandon(self.conn, trans)
             log.debug("pgjobs: %s: the one-round-trip check failed", self.job.name, exc_info=True)
@@ -327,6 +333,7 @@ class Tick:
         self.lock_names: tuple[str, ...] = ()
         #: the locks are taken shared (a sliced run's), at session level too
         self.shared = False
+        committed = False
         try:
             stop = self._lock()
             if stop is not None:
@@ -341,11 +348,14 @@ class Tick:
                 self.trans.rollback()
                 return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
             result = self._commit(execution)
+            committed = True
         except Exception as exc:
             return self._fail_locked(exc)
         finally:
             if self.session_locked:
                 self._release_session_lock()
+            if not committed:
+                self._after_rollback()
         logs.ran(log, result, previous_failures=self.state.failures if self.state else 0)
         self._after_commit()
         return result
@@ -501,6 +511,18 @@ class Tick:
         statements, self.ctx.before_commit = self.ctx.before_commit, []
         for statement, params in statements:
             later(self.conn, statement, params)
+
+    def _after_rollback(self) -> None:
+        for action in self.ctx.after_rollback:
+            try:
+                action()
+            except Exception:
+                log.warning(
+                    "pgjobs: %s: after its rollback: %s failed",
+                    self.job.name,
+                    action,
+                    exc_info=True,
+                )
 
     def _after_commit(self) -> None:
         for action in self.ctx.after_commit:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from psycopg import sql
 from sqlalchemy import create_engine, event, text
 
 import pgjobs
 import pgjobs.worker.vacuum
+from pgjobs.jobs import RunContext
 from pgjobs.queue import (
     drop_enqueue_trigger,
     enqueue,
@@ -20,6 +22,7 @@ from pgjobs.queue import (
     key_json,
     queue_stats,
 )
+from pgjobs.worker import pending_query
 
 SCHEMA = """
 create table parent (id int primary key, factor int not null default 1);
@@ -645,28 +648,28 @@ def test_queue_stats_report_depth_due_retrying_dead_and_oldest_age(db):
     assert timedelta(minutes=59) < a.oldest_age < timedelta(minutes=61)
 
 
-def test_has_work_is_one_index_probe(db):
+def test_has_work_is_index_probes(db):
+    """The work check: the first entry past the cursor (queue_seq_idx), the
+    earliest due retry (queue_retry_idx); never a scan of the job's queue."""
     job = make_job()
     push(db, job, range(20000))
     push(db, "other", range(100))
     with db.begin() as conn:  # all but one of the job's items wait for a retry
         conn.execute(
             text(
-                "update pgjobs.queue set not_before = now() + interval '1 hour' where key <> '[0]'"
+                "update pgjobs.queue set attempts = 1, not_before = now() + interval '1 hour'"
+                " where key <> '[0]'"
             )
         )
         conn.exec_driver_sql("analyze pgjobs.queue")
+    now = datetime.now(UTC)
+    query, params = pending_query(job, RunContext(job=job, namespace="n", schema="pgjobs", now=now))
     with db.connect() as conn:
-        plan = "\n".join(
-            conn.execute(
-                text(
-                    "explain select exists (select from pgjobs.queue where job = :j"
-                    " and dead_at is null and not_before <= now())"
-                ),
-                {"j": job.name},
-            ).scalars()
-        )
-    assert "queue_due_idx" in plan and "Seq Scan" not in plan
+        raw = conn.connection.driver_connection
+        plan = "\n".join(r[0] for r in raw.execute(sql.SQL("explain ") + query, params))
+        assert raw.execute(query, params).fetchone()[:2] == (True, True)  # work, past the cursor
+    assert "queue_seq_idx" in plan and "queue_retry_idx" in plan, plan
+    assert "Seq Scan on queue " not in plan, plan  # (the sequence queue_seq is read whole)
 
 
 def test_the_enqueue_trigger_queues_inserted_updated_and_deleted_keys(db):
@@ -862,7 +865,7 @@ def test_a_keys_table_of_another_shape_in_the_session_is_replaced_before_the_cla
         engine.dispose()
 
 
-def test_the_claim_reads_due_entries_in_key_order_without_sorting_the_queue(db):
+def test_the_claim_reads_entries_in_number_order_without_sorting_the_queue(db):
     job = make_job()
     push(db, job, range(5000))  # no ANALYZE since: the planner knows nothing of them
     with db.connect() as conn:
@@ -870,12 +873,12 @@ def test_the_claim_reads_due_entries_in_key_order_without_sorting_the_queue(db):
             conn.execute(
                 text(
                     "explain select key from pgjobs.queue where job = :j and dead_at is null"
-                    " and not_before <= now() order by key limit 100"
+                    " and attempts = 0 and seq > 0 order by seq limit 100"
                 ),
                 {"j": job.name},
             ).scalars()
         )
-    assert "queue_claim_idx" in plan and "Sort" not in plan, plan
+    assert "queue_seq_idx" in plan and "Sort" not in plan, plan
 
 
 def test_the_items_parents_stay_locked_from_the_claim_through_the_write(db, db_url):

@@ -34,36 +34,58 @@ from ..jobs import Locks, QueueJob, RunContext
 from ..queue import queue_table
 from ..results import Execution
 from ..target import Prefetched, prefetch_fingerprint
-from .claim import Ahead, claim_ahead
+from .claim import Ahead, claim_ahead, cursor_of
+from .cursor import sample_sql
 from .state import item_lock_wait
 from .tick import run_tick
 
 
-def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[str]]:
-    """Is a live item of ``job`` due? One index probe, taken before any lock.
+def pending_query(job: QueueJob, ctx: RunContext) -> tuple[sql.Composed, tuple[Any, ...]]:
+    """Is a live item of ``job`` due? Index probes, taken before any lock:
+    the first entry numbered past the job's cursor (pgjobs/worker/cursor.py:
+    not the dead ones below it, whatever the horizon), the earliest retry
+    whose time has come, or entries the cursor keeps to read again. The
+    cursor's sample goes with it: a replica that finds nothing moves its
+    cursor on all the same (:func:`pending_answer`)."""
+    low, recheck, safe = cursor_of(ctx).peek()
+    ctx.extra[_SAFE] = safe
+    return _pending_sql(ctx.schema), (recheck, job.name, low, job.name)
 
-    The earliest due entry, not EXISTS: for a job with most of the queue,
-    the planner took EXISTS as a Seq Scan stopping at the first match, which
-    reads past every entry drained before it (13 ms against 0.04 ms at 1 M
-    entries, 500k drained: tests/test_plans.py); ORDER BY not_before is
-    what only queue_due_idx serves without a sort."""
-    return _pending_sql(ctx.schema), (job.name,)
+
+#: ``ctx.extra``'s key for what was safe when the work check was sent
+_SAFE = "pgjobs.queue.safe"
 
 
 @functools.lru_cache(maxsize=16)
 def _pending_sql(schema: str) -> sql.Composed:
     # (a Composed of one SQL: what the runner's hook takes, walked at once)
+    last, running = sample_sql(schema)
     statement = sql.SQL(
-        "select (select 1 from {} where job = %s and dead_at is null and not_before <= now()"
-        " order by not_before limit 1) is not null"
-    ).format(queue_table(schema))
+        "select coalesce(w.fresh, w.retry, %s), w.fresh is not null, l.v, {running}"
+        " from (select (select true from {q} where job = %s and dead_at is null"
+        " and attempts = 0 and seq > %s order by seq limit 1) as fresh,"
+        " (select true from {q} where job = %s and dead_at is null and attempts > 0"
+        " and not_before <= now() order by not_before limit 1) as retry) as w, {last}"
+    ).format(q=queue_table(schema), running=running, last=last)
     return sql.Composed([frozen(statement)])
+
+
+def pending_answer(job: QueueJob, ctx: RunContext, row: Sequence[Any] | None) -> bool:
+    """The work check's answer, and the cursor after it: with no entry past
+    ``low``, every entry up to what was safe when it was sent is gone."""
+    if row is None:
+        return False
+    has_work, fresh, last, running = row
+    cursor = cursor_of(ctx)
+    if not fresh:
+        cursor.nothing_past(ctx.extra.pop(_SAFE, 0))
+    cursor.sample(last, running)
+    return bool(has_work)
 
 
 def has_pending(conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
     """:func:`pending_query`'s answer."""
-    row = driver(conn).execute(*pending_query(job, ctx)).fetchone()
-    return bool(row and row[0])
+    return pending_answer(job, ctx, driver(conn).execute(*pending_query(job, ctx)).fetchone())
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +115,9 @@ class QueueBody:
         self, job: QueueJob, ctx: RunContext
     ) -> tuple[sql.Composed, Sequence[Any]] | None:
         return None if job.has_work is not None else pending_query(job, ctx)
+
+    def work_answer(self, job: QueueJob, ctx: RunContext, row: Sequence[Any] | None) -> bool:
+        return pending_answer(job, ctx, row)
 
     def check_work(self, conn: Connection, job: QueueJob, ctx: RunContext) -> bool:
         if job.has_work is not None:
@@ -140,6 +165,7 @@ __all__ = [
     "QueueBody",
     "QueuePrefetched",
     "has_pending",
+    "pending_answer",
     "pending_query",
     "run_queue",
 ]

@@ -29,6 +29,7 @@ from .._pg import Later, driver, frozen, later, send
 from ..jobs import RUN_SAVEPOINT, QueueJob, RunContext
 from ..queue import key_json
 from ..target import Target, cached_target
+from .cursor import Cursor, Read, rows_read
 from .small import Composed, small_enough
 from .state import (
     KEYS_SHAPE,
@@ -47,7 +48,7 @@ from .state import (
     rollback_to,
     savepoint,
 )
-from .statements import Statements, statements_for
+from .statements import KEYED_AT, SEQ_AT, Statements, statements_for
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,10 @@ def claim(t: Tick) -> Claimed:
         ensure_keys_table(t)
         return claim_rows(t), [], [], {}
     sp = next_savepoint(t)
-    params = {"job": t.job.name, "n": t.job.batch_size}
+    params, read = claim_params(t.job, t.ctx)
     if t.job.batch_size <= PRELOAD_BATCH and keys_table_known(t):
         try:
-            known = claim_known(t, sp, params)
+            known = claim_known(t, sp, params, read)
         except psycopg.DataError:
             rollback_to(t, sp)
             return lock_readable(t, claim_rows(t))
@@ -89,13 +90,15 @@ def claim(t: Tick) -> Claimed:
         first = next_savepoint(t) if preload else None
         statements: list[tuple[sql.Composable, Any]] = [
             (sql.SQL("savepoint {}").format(sp), None),
+            (t.statements.sample, None),
             (t.statements.claim_loading if preload else t.statements.claim, params),
         ]
         if first is not None:  # after the claim: its savepoint, and the keys it loaded
             statements.append((sql.SQL("savepoint {}").format(first), None))
             statements.append((t.statements.loaded_keys, None))
         try:
-            _, rows, *loaded = send(t.conn, *statements)
+            _, sampled, rows, *loaded = send(t.conn, *statements)
+            t.ctx_sample = sampled.one()
             fits = keys_table_fits(t, shape.result.one() if shape.result else None)
             result = rows.all() if fits else []
         except psycopg.DatabaseError as exc:
@@ -108,6 +111,7 @@ def claim(t: Tick) -> Claimed:
             rollback_to(t, sp)
             create_keys_table(t)
             sp = savepoint(t)
+            params, read = claim_params(t.job, t.ctx)
             result = t.raw.execute(t.statements.claim, params).fetchall()
         elif first is not None:
             t.preloaded = (first, [tuple(k) for k in loaded[-1].all()])
@@ -118,7 +122,44 @@ def claim(t: Tick) -> Claimed:
         rollback_to(t, sp)
         return lock_readable(t, claim_rows(t))
     # The savepoint stays open (the commit releases it): a round trip saved.
+    moved(t, read, result)
     return classify(t, result)
+
+
+def cursor_of(ctx: RunContext) -> Cursor:
+    """The job's cursor in this runner (a throwaway one, reading from the
+    start, where the context has none)."""
+    cursors = ctx.queue_cursors
+    return Cursor() if cursors is None else cursors.of(ctx.schema, ctx.job.name)
+
+
+def claim_params(job: QueueJob, ctx: RunContext) -> tuple[dict[str, Any], Read]:
+    """The claim's parameters, with where the job's cursor says to read."""
+    read = cursor_of(ctx).params()
+    read.limit = job.batch_size * (1 if job.workers == 1 else 4)
+    params = {"job": job.name, "n": job.batch_size, "low": read.low, "recheck": list(read.recheck)}
+    return params, read
+
+
+def moved(t: Tick, read: Read, rows: list[tuple[Any, ...]], seq_at: int = SEQ_AT) -> None:
+    """The cursor after a claim's ``rows`` (and the sample sent with it),
+    and what it does when the tick ends (pgjobs/worker/cursor.py)."""
+    cursor = cursor_of(t.ctx)
+    if t.ctx_sample is not None:
+        cursor.sample(*t.ctx_sample)
+        t.ctx_sample = None
+    claimed_at = 3 if seq_at == SEQ_AT else 0
+    token = cursor.advance(rows_read(read, rows, seq_at, claimed_at))
+    claimed = {r[0]: int(r[seq_at]) for r in rows if r[0] is not None and r[claimed_at]}
+
+    def committed(conn: Connection) -> None:
+        # claimed, and neither processed, dropped nor failed: left queued
+        # (kept for a lock, or past the isolation's bound): read again
+        left = set(claimed) - set(t.done) - set(t.dropped) - set(t.failed)
+        cursor.ended(token, committed=True, left=[claimed[i] for i in left])
+
+    t.ctx.after_commit.append(committed)
+    t.ctx.after_rollback.append(lambda: cursor.ended(token, committed=False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +169,9 @@ class Ahead:
     #: the reflection it was composed from (the cached one, unverified then)
     target: Target
     claimed: Later
+    #: where it read (the cursor's), and the sample sent before it
+    read: Read
+    sampled: Later
     #: the small write sent after it, for the keys it loaded: (its composed
     #: statement, its handle), or ``None``
     write: tuple[Composed, Later] | None = None
@@ -171,11 +215,11 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     statements = statements_for(job, ctx.schema, target)
     if not statements.item_parents:
         return None
-    claimed = later(
-        conn, statements.claim_keyed, {"job": job.name, "n": job.batch_size}, guarded=True
-    )
+    params, read = claim_params(job, ctx)
+    sampled = later(conn, statements.sample, guarded=True)
+    claimed = later(conn, statements.claim_keyed, params, guarded=True)
     later(conn, _AHEAD_SAVEPOINT, guarded=True)
-    return Ahead(target, claimed, _write_ahead(conn, job, statements))
+    return Ahead(target, claimed, read, sampled, _write_ahead(conn, job, statements))
 
 
 def _write_ahead(
@@ -223,7 +267,11 @@ def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
     if result is None or t.target is not ahead.target:
         t.raw.execute(_AHEAD_UNDO)
         return None
-    claimed = keyed(t, result.all(), _AHEAD_AFTER)
+    if ahead.sampled.result is not None:
+        t.ctx_sample = ahead.sampled.result.one()
+    rows = result.all()
+    moved(t, ahead.read, rows)
+    claimed = keyed(t, rows, _AHEAD_AFTER)
     if ahead.write is not None:
         adopt_write(t, *ahead.write)
     return claimed
@@ -245,7 +293,7 @@ def adopt_write(t: Tick, composed: Composed, write: Later) -> None:
         t.raw.execute(_AHEAD_BACK)
 
 
-def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed | None:
+def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any], read: Read) -> Claimed | None:
     """The claim when this session's keys table is known to fit: the
     savepoint, the claim (which loads the keys table and returns each
     claimed item's typed key) and the savepoint of their processing, three
@@ -253,9 +301,10 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed 
     was known (dropped, say): rolled back, forgotten, the caller asks."""
     first = next_savepoint(t)
     try:
-        _, rows, _ = send(
+        _, sampled, rows, _ = send(
             t.conn,
             (sql.SQL("savepoint {}").format(sp), None),
+            (t.statements.sample, None),
             (t.statements.claim_keyed, params),
             (sql.SQL("savepoint {}").format(first), None),
         )
@@ -266,16 +315,19 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any]) -> Claimed 
         rollback_to(t, sp)
         forget_keys_table(t)
         return None
-    return keyed(t, rows.all(), first)
+    t.ctx_sample = sampled.one()
+    result = rows.all()
+    moved(t, read, result)
+    return keyed(t, result, first)
 
 
 def keyed(t: Tick, result: list[tuple[Any, ...]], first: sql.Identifier) -> Claimed:
     """The keyed claim's rows as the four sets; the claimed items' typed keys
     kept as loaded, under ``first`` (the savepoint of their processing)."""
     width = len(t.job.scope)
-    claimed = classify(t, [r[:5] for r in result])
+    claimed = classify(t, result)
     gone = set(claimed[1])
-    keys = (tuple(r[5 : 5 + width]) for r in result if r[3] and r[0] not in gone)
+    keys = (tuple(r[KEYED_AT : KEYED_AT + width]) for r in result if r[3] and r[0] not in gone)
     t.preloaded = (first, list(dict.fromkeys(keys)))
     t.statements.last_claimed = len(t.preloaded[1])
     return claimed
@@ -289,7 +341,9 @@ def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:
     # Items neither listed as claimed nor deferred have an entry that a
     # user's transaction holds (an uncommitted enqueue): skipped.
     t.claimed_at = time.perf_counter()
-    for item, attempts, is_gone, claimed, age in result:
+    for item, attempts, is_gone, claimed, age, *_ in result:
+        if item is None:
+            continue  # read but held by another transaction: for the cursor only
         if claimed:
             t.attempts_of[item] = attempts
             t.age_of[item] = age
@@ -300,13 +354,20 @@ def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:
 
 
 def claim_rows(t: Tick) -> list[str]:
-    """Claim due entries plainly (a batch of them in key order), no parent locked."""
-    rows = t.raw.execute(t.statements.claim_all, (t.job.name, t.job.batch_size)).fetchall()
+    """Claim due entries plainly (a batch of them), no parent locked."""
+    params, read = claim_params(t.job, t.ctx)
+    sampled, claimed = send(t.conn, (t.statements.sample, None), (t.statements.claim_all, params))
+    t.ctx_sample = sampled.one()
+    rows = claimed.all()
+    moved(t, read, rows, seq_at=3)
     t.claimed_at = time.perf_counter()
-    for item, attempts, age in rows:
-        t.attempts_of[item] = attempts
-        t.age_of[item] = age
-    return [r[0] for r in rows]
+    items = []
+    for item, attempts, age, *_ in rows:
+        if item is not None:
+            t.attempts_of[item] = attempts
+            t.age_of[item] = age
+            items.append(item)
+    return sorted(items)
 
 
 def claim_own(t: Tick) -> Claimed:
@@ -399,11 +460,14 @@ __all__ = [
     "claim_ahead",
     "claim_known",
     "claim_own",
+    "claim_params",
     "claim_rows",
     "classify",
+    "cursor_of",
     "finish_own",
     "keyed",
     "lock_parents",
     "lock_readable",
+    "moved",
     "unreadable",
 ]

@@ -22,9 +22,14 @@ from .._pg import frozen
 from ..jobs import QueueJob
 from ..queue import queue_table
 from ..target import Target
+from .cursor import sample_sql
 
 #: the temp table holding the current batch's scope values (compute SQL may join it)
 KEYS_TABLE = "pgjobs_keys"
+#: the claim's rows: (item, attempts, gone, claimed, age, seq, path, read),
+#: then (the keyed claim) the item's typed scope values from this column on
+SEQ_AT = 5
+KEYED_AT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,7 @@ class Statements:
                 " select {cols} from {target} with no data"
             ).format(t=self.keys_table, cols=self.scope, target=target.ident)
         )
-        self._compose_claims()
+        self._compose_claims(schema)
         self._compose_writes(schema)
         #: the small path's statement per compute text (see :mod:`.small`)
         self.small: dict[str, Any] = {}
@@ -86,7 +91,7 @@ class Statements:
         #: small write ahead when the last one took few enough)
         self.last_claimed = 0
 
-    def _compose_claims(self) -> None:
+    def _compose_claims(self, schema: str) -> None:
         """The claim's statements (:mod:`.claim`)."""
         self.claim = frozen(self._claim_sql(load=False))
         self.claim_loading = frozen(self._claim_sql(load=True))
@@ -108,18 +113,29 @@ class Statements:
         self.unreadable_probe = frozen(
             sql.SQL("select {} from unnest(%s::text[]) as i(item)").format(self.typed)
         )
-        # ORDER BY q.key, never a bare "key": that names the output column
-        # key::text, and the text order no index serves (every due entry
-        # read and sorted: 261 ms against 0.4 ms for 100 of 89k due entries,
-        # tests/test_plans.py), nor is it the key order enqueues lock in.
+        # Without item parents: the entries of the due items, locked
+        # FOR UPDATE SKIP LOCKED, and a row with no item for each entry read
+        # but not taken (the cursor's, pgjobs/worker/cursor.py).
         self.claim_all = frozen(
             sql.SQL(
-                "select q.key::text, q.attempts,"
-                " extract(epoch from clock_timestamp() - q.enqueued_at)::float8 from {} as q"
-                " where q.job = %s and q.dead_at is null"
-                " and q.not_before <= now() order by q.key limit %s for update skip locked"
-            ).format(self.queue)
+                "with {due}, c as materialized (select e.key, e.attempts, e.enqueued_at from due,"
+                " lateral (select q.key, q.attempts, q.enqueued_at, q.dead_at, q.not_before"
+                " from {q} as q where q.job = %(job)s and q.key = due.item offset 0"
+                " for update of q skip locked) as e where e.dead_at is null and e.not_before <= now())"
+                " select c.key::text, c.attempts,"
+                " extract(epoch from clock_timestamp() - c.enqueued_at)::float8, d.q_seq, d.q_path,"
+                " {read} from c join due as d on d.item = c.key"
+                " union all select null, null, null, d.q_seq, d.q_path, {read} from {unread} as d"
+                " where d.item not in (select key from c)"
+            ).format(
+                due=self._due_sql(), q=self.queue, read=self._read_sql(), unread=self._unread_sql()
+            )
         )
+        #: what the claim's cursor reads first, in the same round trip
+        #: (pgjobs/worker/cursor.py): the sequence's last value, then the
+        #: xids running at that moment (a subquery of that row, so read after it)
+        last, running = sample_sql(schema)
+        self.sample = frozen(sql.SQL("select l.v, {} from {}").format(running, last))
 
     def _compose_writes(self, schema: str) -> None:
         """The statements of the processing and of the finish (:mod:`.tick`)."""
@@ -247,14 +263,24 @@ class Statements:
             " where (s.locked or not s.present) and e.dead_at is null"
             " and e.not_before <= now()){load}"
             " select c.key::text, c.attempts, c.key in (select item from s where not present),"
-            " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8{keyed} from c{typed}"
-            " union all select s.item::text, null, false, false, null{nulls} from s"
-            " where s.present and not s.locked{order}"
+            " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8,"
+            " d.q_seq, d.q_path, {read}{keyed} from c join due as d on d.item = c.key{typed}"
+            " union all select s.item::text, null, false, false, null, d.q_seq, d.q_path,"
+            " {read}{nulls} from s join due as d on d.item = s.item"
+            " where s.present and not s.locked"
+            # entries read but not taken: held by another transaction (or
+            # failed by a worker beside this one since "due" read them), and,
+            # with workers > 1, the candidates whose item lock another has
+            " union all select null, null, false, false, null, d.q_seq, d.q_path,"
+            " {read}{nulls} from {unread} as d where d.item not in (select key from c)"
+            " and d.item not in (select item from s where s.present and not s.locked){order}"
         ).format(
             q=self.queue,
             due=self._due_sql(),
             classify=self._classify_ctes(sql.SQL("due")),
             load=self._load_sql() if load else sql.SQL(""),
+            read=self._read_sql(),
+            unread=self._unread_sql(),
             # keyed: each claimed item's key as the keys table types it, the
             # rows in the keys table's order (what the keys' select returned)
             keyed=sql.SQL(", t.*") if keyed else sql.SQL(""),
@@ -265,7 +291,9 @@ class Statements:
             if keyed
             else sql.SQL(""),
             order=sql.SQL(" order by 4 desc, {}").format(
-                sql.SQL(", ").join(sql.SQL(str(6 + n)) for n in range(len(self.job.scope)))
+                sql.SQL(", ").join(
+                    sql.SQL(str(KEYED_AT + 1 + n)) for n in range(len(self.job.scope))
+                )
             )
             if keyed
             else sql.SQL(""),
@@ -284,28 +312,62 @@ class Statements:
         )
 
     def _due_sql(self) -> sql.Composed:
-        """The CTE ``due``: up to ``batch_size`` due items in key order, read
-        without a lock. A job with several workers takes different items in
-        each: of the first 4 x batch_size due entries, the first batch_size
-        whose item advisory lock (two ints: apart from the group locks'
-        bigints) this transaction gets without waiting; the scan stops at the
-        last one taken. A row lock could not do it: ``FOR NO KEY UPDATE``
-        would make a user's enqueue wait, and ``FOR KEY SHARE`` keeps another
-        worker's ``FOR UPDATE SKIP LOCKED`` off the rows while its own is kept
-        off the same way (both claimed nothing). One lock per item, so only
+        """The CTE ``due``: up to ``batch_size`` due items (``item``, and
+        the entry's ``q_seq`` and ``q_path``), read without a lock, from
+        three places (pgjobs/worker/cursor.py): entries waiting for a retry
+        whose time has come (``q_path`` 1, their own index); entries read
+        before and not taken, by their number (2, ``%(recheck)s``); then
+        entries numbered past the cursor (0, ``%(low)s``), in number order.
+
+        A job with several workers takes different items in each: of the
+        first 4 x batch_size entries, the first batch_size whose item
+        advisory lock (two ints: apart from the group locks' bigints) this
+        transaction gets without waiting; the scan stops at the last one
+        taken. A row lock could not do it: ``FOR NO KEY UPDATE`` would make
+        a user's enqueue wait, and ``FOR KEY SHARE`` keeps another worker's
+        ``FOR UPDATE SKIP LOCKED`` off the rows while its own is kept off
+        the same way (both claimed nothing). One lock per item, so only
         with ``workers`` > 1 (``workers x batch_size`` is bounded for it)."""
+        read = sql.SQL(
+            "select item, q_seq, q_path from ("
+            "(select key as item, seq as q_seq, 1 as q_path from {q} where job = %(job)s"
+            " and dead_at is null and attempts > 0 and not_before <= now()"
+            " order by not_before limit %(n)s)"
+            " union all (select key, seq, 2 from {q} where job = %(job)s and dead_at is null"
+            " and attempts = 0 and seq = any(%(recheck)s::bigint[]))"
+            " union all (select key, seq, 0 from {q} where job = %(job)s and dead_at is null"
+            " and attempts = 0 and seq > %(low)s and seq <> all(%(recheck)s::bigint[])"
+            " order by seq limit {limit})) as u limit {limit}"
+        )
         if self.job.workers == 1:
-            return sql.SQL(
-                "due as materialized (select key as item from {q} where job = %(job)s"
-                " and dead_at is null and not_before <= now() order by key limit %(n)s)"
-            ).format(q=self.queue)
+            return sql.SQL("due as materialized ({})").format(
+                read.format(q=self.queue, limit=sql.SQL("%(n)s"))
+            )
         return sql.SQL(
-            "candidates as materialized (select key from {q} where job = %(job)s"
-            " and dead_at is null and not_before <= now() order by key limit 4 * %(n)s),"
-            " due as materialized (select key as item from candidates"
-            " where pg_try_advisory_xact_lock(hashtext(%(job)s), hashtext(key::text))"
+            "candidates as materialized ({}),"
+            " due as materialized (select item, q_seq, q_path from candidates"
+            " where pg_try_advisory_xact_lock(hashtext(%(job)s), hashtext(item::text))"
             " limit %(n)s)"
-        ).format(q=self.queue)
+        ).format(read.format(q=self.queue, limit=sql.SQL("4 * %(n)s")))
+
+    def _read_sql(self) -> sql.Composed:
+        """How many entries the claim read (``due``, or its ``candidates``
+        with workers > 1): fewer than it could take, and it read them all."""
+        return sql.SQL("(select count(*) from {})").format(
+            sql.Identifier("due" if self.job.workers == 1 else "candidates")
+        )
+
+    def _unread_sql(self) -> sql.Composable:
+        """The entries read, as rows of ``due``'s shape: ``due``, and with
+        workers > 1 the candidates whose item lock was tried and taken by
+        another (those past the last one taken were not tried)."""
+        if self.job.workers == 1:
+            return sql.SQL("due")
+        return sql.SQL(
+            "(select * from due union all select * from candidates"
+            " where item not in (select item from due) and ((select count(*) from due) < %(n)s"
+            " or q_seq < (select max(q_seq) from due where q_path = 0) or q_path <> 0))"
+        )
 
     def _load_sql(self) -> sql.Composed:
         """CTEs of the claim that put the keys of the items it claims (and
@@ -342,7 +404,9 @@ def statements_for(job: QueueJob, schema: str, target: Target) -> Statements:
 
 
 __all__ = [
+    "KEYED_AT",
     "KEYS_TABLE",
+    "SEQ_AT",
     "ItemParent",
     "Statements",
     "frozen",

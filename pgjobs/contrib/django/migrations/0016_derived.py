@@ -7,7 +7,7 @@ from pgjobs.contrib.django.operations import ApplyMigration
 
 class Migration(migrations.Migration):
     atomic = False  # pgjobs' migrator runs its own transaction
-    dependencies = [("pgjobs", "0014_slices")]
+    dependencies = [("pgjobs", "0015_queue_seq")]
     operations = [ApplyMigration("016_derived")]
 
 

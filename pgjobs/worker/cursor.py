@@ -1,0 +1,255 @@
+"""Where a queue job's claims start reading: a cursor over the numbers
+entries get when they become pending (``seq``, migration 015).
+
+Why: a processed entry is deleted, and while another session holds the
+database's xmin horizon (a long report, ``pg_dump``, a transaction left
+idle) its index entries stay; a scan from the low end of an index walks all
+of them, a claim in key order 36-68 ms after two minutes at 800 keys/s, and
+a hold of ten minutes stalled the worker (docs/DESIGN.md, "The queue under
+a held horizon"). A claim that reads ``seq > low`` starts past them.
+
+When ``low`` may move on. Numbers are drawn in one order, but an entry
+becomes visible at its transaction's commit, in another: a transaction that
+drew 41 may commit after one that drew 42 was claimed. ``low`` moves past a
+number only when both hold:
+
+* *read*: every entry numbered up to it that this worker could see was read
+  by one of its claims (each claim reads up to ``batch_size`` entries in
+  number order; one that read fewer read all there were);
+* *safe*: every transaction that drew a number up to it has ended, so that
+  what it committed was there to read. The enqueue takes its transaction's
+  xid before it draws a number (``<schema>.enqueue``, ``queue_seq()``). A
+  *sample*, sent with each claim, reads the sequence's last value and then
+  the xids of the transactions running at that moment: every transaction
+  that drew a number up to that value is among them or has ended. Once no
+  xid of a sample runs any more (a later sample says), its value is safe.
+
+An entry read but not claimed (a user's transaction holds it, or a parent
+of its item: the claim skips both, never waiting) is kept by number in
+``recheck`` and read again by its number at the next claims, until it is
+claimed or gone: ``low`` does not wait for it.
+
+Entries waiting for a retry after a failure are found apart (their own
+index, ``attempts > 0``). A long transaction *with an xid* (one that wrote)
+keeps the samples from being safe while it runs: claims then read from an
+older ``low``, and walk the entries processed since (as every claim did
+before). A transaction prepared for two-phase commit is not among the
+running xids the sample reads: an entry it enqueued, and a case nothing
+above covers (a worker of another process that claimed with the item
+locks of ``workers`` > 1 and died), are found by a full pass, a claim from
+the start, every :data:`FULL_PASS_SECONDS` and at the first claim of a
+process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import sql
+
+#: a claim from the start of the queue every so often (see the module docstring)
+FULL_PASS_SECONDS = 300.0
+#: entries kept to be read again by their number, at most; past it, ``low``
+#: stays below the lowest of them (claims then read from there)
+RECHECK_MAX = 1000
+
+#: the rows' ``path``: where a claim found the entry
+FRESH, RETRY, RECHECK = 0, 1, 2
+
+
+def sample_sql(schema: str) -> tuple[sql.Composable, sql.Composable]:
+    """The sample (see the module docstring) as a FROM item ``l`` (the
+    sequence's last value, ``l.v``) and a column of that row: the xids of
+    the transactions running in this database, this session's left out;
+    a subquery of ``l``'s row, so read after it."""
+    numbers = sql.Identifier(schema, "queue_seq")
+    last = sql.SQL(
+        "(select case when is_called then last_value else 0 end as v from {} offset 0) as l"
+    ).format(numbers)
+    running = sql.SQL(
+        "(select array_agg(a.backend_xid::text::bigint) from pg_stat_get_activity(null) as a"
+        " where a.backend_xid is not null and a.pid <> pg_backend_pid() and a.datid ="
+        " (select oid from pg_database where datname = current_database()) and l.v is not null)"
+    )
+    return last, running
+
+
+@dataclass(slots=True)
+class Read:
+    """What one claim read, for :meth:`Cursor.advance`."""
+
+    #: the ``low`` and ``recheck`` it was sent with
+    low: int
+    recheck: tuple[int, ...]
+    #: how many entries it could read (the job's batch size; 4 x with workers > 1)
+    limit: int
+    #: how many it read: fewer than ``limit``, and it read all there were
+    count: int = 0
+    #: (seq, path, claimed) of every entry it read
+    rows: list[tuple[int, int, bool]] = field(default_factory=list)
+    #: whether it was a full pass (sent with ``low`` 0)
+    full: bool = False
+
+
+class Cursor:
+    """One queue job's cursor in one runner (thread-safe: a job's workers share it)."""
+
+    def __init__(self, clock: object = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.low = 0
+        self.recheck: dict[int, None] = {}
+        #: samples not yet safe: (the sequence's value, the xids running then)
+        self._samples: list[tuple[int, frozenset[int]]] = []
+        #: the highest number every drawer of which has ended
+        self.safe = 0
+        #: when the next full pass is due (the first claim is one)
+        self._full_at = 0.0
+        #: claimed numbers of ticks not yet ended: ``low`` stays below them
+        self._held: dict[int, int] = {}
+        self._next_tick = 0
+
+    def _now(self) -> float:
+        return self._clock()  # type: ignore[operator, no-any-return]
+
+    def params(self) -> Read:
+        """``low`` and ``recheck`` for the next claim (``low`` 0 for a full pass)."""
+        with self._lock:
+            full = self._now() >= self._full_at
+            if full:
+                self._full_at = self._now() + FULL_PASS_SECONDS
+            low = 0 if full else self._low()
+            return Read(low=low, recheck=tuple(self.recheck), limit=0, full=full)
+
+    def peek(self) -> tuple[int, bool, int]:
+        """Where a work check reads from (0 when a full pass is due),
+        whether entries wait to be read again, and what is safe now."""
+        with self._lock:
+            full = self._now() >= self._full_at
+            return (0 if full else self._low()), bool(self.recheck), self.safe
+
+    def nothing_past(self, safe: int) -> None:
+        """A work check found no entry past ``low``: every entry numbered
+        up to ``safe`` (what was safe when it was sent) is gone."""
+        with self._lock:
+            self.low = max(self.low, safe)
+
+    def _low(self) -> int:
+        if self._held:
+            return min(self.low, min(self._held.values()) - 1)
+        return self.low
+
+    def sample(self, last: int | None, running: Iterable[int] | None) -> None:
+        """What the sample sent with a claim read: the sequence's last value,
+        then the xids running (this session's own left out)."""
+        now_running = frozenset(running or ())
+        value = last or 0
+        with self._lock:
+            if value < self.low or value < self.safe:
+                # the sequence is behind what this cursor has seen: another
+                # database under the same name, or the schema made again
+                self._reset()
+            still = []
+            for seen, xids in self._samples:
+                if xids & now_running:
+                    still.append((seen, xids))
+                else:
+                    self.safe = max(self.safe, seen)
+            if now_running:
+                still.append((value, now_running))
+            else:
+                self.safe = max(self.safe, value)
+            # the oldest kept: a long transaction keeps them all unsafe
+            self._samples = still[-64:] if len(still) > 64 else still
+
+    def _reset(self) -> None:
+        self.low = 0
+        self.safe = 0
+        self.recheck.clear()
+        self._samples.clear()
+        self._held.clear()
+        self._full_at = 0.0
+
+    def advance(self, read: Read) -> int:
+        """Move on after ``read`` (a claim's rows): ``low``, ``recheck``.
+        Returns a tick token for :meth:`ended`: the numbers it claimed keep
+        ``low`` below them until the tick ends (a rollback leaves them queued)."""
+        fresh = [r for r in read.rows if r[1] == FRESH]
+        complete = read.count < read.limit
+        with self._lock:
+            bound = self.safe if complete else min(self.safe, max((r[0] for r in fresh), default=0))
+            new_low = max(read.low, bound)
+            # the entries it read again: kept when still not claimed, dropped
+            # when claimed or gone
+            for seq in read.recheck:
+                self.recheck.pop(seq, None)
+            for seq, path, claimed in read.rows:
+                if not claimed and path in (FRESH, RECHECK) and seq <= new_low:
+                    self.recheck[seq] = None
+            if len(self.recheck) > RECHECK_MAX:
+                kept = sorted(self.recheck)
+                dropped = kept[RECHECK_MAX:]
+                self.recheck = dict.fromkeys(kept[:RECHECK_MAX])
+                new_low = min(new_low, dropped[0] - 1)
+            if read.full:
+                self.low = new_low
+            else:
+                self.low = max(self.low, new_low)
+            taken = [r[0] for r in read.rows if r[2] and r[1] == FRESH]
+            self._next_tick += 1
+            if taken:
+                self._held[self._next_tick] = min(taken)
+            return self._next_tick
+
+    def ended(self, token: int, *, committed: bool, left: Iterable[int] = ()) -> None:
+        """The tick of ``token`` ended: committed (its entries are gone, but
+        those ``left`` queued, read again by their number) or not (they are
+        queued still: ``low`` goes back below them)."""
+        with self._lock:
+            held = self._held.pop(token, None)
+            if held is not None and not committed:
+                self.low = min(self.low, held - 1)
+            for seq in left:
+                if seq <= self.low:
+                    self.recheck[seq] = None
+
+
+class Cursors:
+    """A runner's cursors, one per queue job (each runner talks to one database)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cursors: dict[tuple[str, str], Cursor] = {}
+
+    def of(self, schema: str, job: str) -> Cursor:
+        with self._lock:
+            cursor = self._cursors.get((schema, job))
+            if cursor is None:
+                cursor = self._cursors[(schema, job)] = Cursor()
+            return cursor
+
+
+def rows_read(read: Read, rows: Sequence[Sequence[Any]], seq_at: int, claimed_at: int) -> Read:
+    """``read`` with a claim's rows: their ``seq``, ``path`` and ``read``
+    columns from ``seq_at`` on, whether the entry was claimed at ``claimed_at``."""
+    read.rows = [(int(r[seq_at]), int(r[seq_at + 1]), bool(r[claimed_at])) for r in rows]
+    read.count = int(rows[0][seq_at + 2]) if rows else 0
+    return read
+
+
+__all__ = [
+    "FRESH",
+    "FULL_PASS_SECONDS",
+    "RECHECK",
+    "RECHECK_MAX",
+    "RETRY",
+    "Cursor",
+    "Cursors",
+    "Read",
+    "rows_read",
+    "sample_sql",
+]

@@ -1,0 +1,285 @@
+"""The queue's cursor (pgjobs/worker/cursor.py, migration 015): claims read
+from where the live entries are, not from the start of an index full of
+entries processed while another session held the xmin horizon; and no
+entry is passed over, whatever order transactions commit in. Real
+connections and transactions throughout, ordered by the test, no sleeps."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+import pgjobs
+from pgjobs.jobs import RunContext
+from pgjobs.migrations import migrate, migrations
+from pgjobs.worker import has_pending, pending_query
+from tests.test_queue import (
+    SCHEMA,
+    add_parents,
+    derived,
+    from_scratch,
+    make_job,
+    push,
+    queue_rows,
+)
+
+
+def libpq(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=False).replace(
+        "postgresql+psycopg://", "postgresql://"
+    )
+
+
+@pytest.fixture
+def db(engine: Engine) -> Engine:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    pgjobs.Runner(engine).install()
+    return engine
+
+
+def claim_buffers(engine: Engine, runner: pgjobs.Runner, job: pgjobs.QueueJob) -> int:
+    """Buffers the job's work check touches (EXPLAIN ANALYZE), read from
+    where this runner's cursor is."""
+    ctx = RunContext(
+        job=job,
+        namespace="n",
+        schema="pgjobs",
+        now=datetime.now(UTC),
+        queue_cursors=runner.cursors,
+    )
+    query, params = pending_query(job, ctx)
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        plan = raw.execute(
+            sql.SQL("explain (analyze, buffers, format json) ") + query, params
+        ).fetchone()[0]
+    doc = plan if isinstance(plan, list) else json.loads(plan)
+    top = doc[0]["Plan"]
+    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
+
+
+# -- what a held horizon costs --------------------------------------------------------------
+def test_entries_processed_under_a_held_snapshot_are_not_walked_again(db: Engine) -> None:
+    """A REPEATABLE READ transaction of another session holds the horizon
+    while 3,000 items are processed: their entries stay in the indexes
+    (vacuum may not remove them), but the work check reads from the cursor,
+    past them; from the start (a full pass) it walks them all."""
+    keys = list(range(1, 3001))
+    add_parents(db, keys)
+    job = make_job(batch_size=100)
+    with psycopg.connect(libpq(db)) as holder:
+        holder.execute("begin isolation level repeatable read")
+        holder.execute("select count(*) from parent")  # the snapshot is taken
+        with pgjobs.Runner(db) as runner:
+            for chunk in range(0, len(keys), 500):
+                push(db, job, keys[chunk : chunk + 500])
+                while runner.tick(job, force=True).items:
+                    pass
+            assert queue_rows(db) == []
+            with db.connect() as conn:  # the entries are dead, and still there
+                dead = conn.execute(
+                    text("select n_dead_tup from pg_stat_user_tables where relname = 'queue'")
+                ).scalar_one()
+            cursor = runner.cursors.of("pgjobs", job.name)
+            from_cursor = claim_buffers(db, runner, job)
+            low = cursor.low
+            cursor.low = 0
+            from_start = claim_buffers(db, runner, job)
+            cursor.low = low
+        holder.rollback()
+    assert low >= 3000, low
+    assert from_cursor <= 10, (from_cursor, from_start, dead)
+    assert from_start >= 8 * from_cursor, (from_cursor, from_start, dead)
+    assert derived(db) == from_scratch(db)
+
+
+# -- nothing passed over ----------------------------------------------------------------
+def test_an_enqueue_that_commits_after_a_later_one_was_claimed_is_claimed(db: Engine) -> None:
+    """A transaction draws the lower number and commits after one with a
+    higher number was claimed: the cursor does not pass it while that
+    transaction runs (its xid is among the running ones the sample read)."""
+    add_parents(db, [1, 2, 3])
+    job = make_job()
+    with pgjobs.Runner(db) as runner, psycopg.connect(libpq(db)) as late:
+        late.execute("select pgjobs.enqueue('worker', '[[1]]')")  # number 1, not committed
+        push(db, job, [2])  # number 2, committed
+        first = runner.tick(job, force=True)
+        assert first.items == 1 and [r[1] for r in queue_rows(db)] == []  # [1] not visible
+        push(db, job, [3])
+        assert runner.tick(job, force=True).items == 1
+        assert runner.tick(job, force=True).outcome == "idle"
+        cursor = runner.cursors.of("pgjobs", job.name)
+        assert cursor.low < 1 or cursor.safe < 1, (cursor.low, cursor.safe)
+        late.commit()
+        result = runner.tick(job, force=True)
+        assert result.items == 1, result
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+
+
+def test_an_entry_a_users_transaction_holds_is_claimed_after_its_commit(db: Engine) -> None:
+    """A user's enqueue of a pending item locks its entry (the lost-update
+    guard of 002_queue.sql): the claim skips it, never waiting, and the
+    cursor moves on past it (its number was safe before the user came);
+    the entry is read again by its number until it is claimed."""
+    add_parents(db, [1, 2, 3])
+    job = make_job()
+    push(db, job, [1, 2, 3])
+    with pgjobs.Runner(db) as runner, psycopg.connect(libpq(db)) as user:
+        ctx = RunContext(
+            job=job,
+            namespace="n",
+            schema="pgjobs",
+            now=datetime.now(UTC),
+            queue_cursors=runner.cursors,
+        )
+        with db.begin() as conn:  # a work check: nobody runs, numbers up to 3 are safe
+            assert has_pending(conn, job, ctx)
+        cursor = runner.cursors.of("pgjobs", job.name)
+        assert cursor.safe >= 3
+        user.execute("update source set val = val + 100 where parent_id = 2")
+        user.execute("select pgjobs.enqueue('worker', '[[2]]')")  # locks the pending entry
+        first = runner.tick(job, force=True)
+        assert first.items == 2, first
+        assert cursor.low >= 3 and len(cursor.recheck) == 1, (cursor.low, cursor.recheck)
+        push(db, job, [1])  # a number past the cursor; [2]'s is read again, still held
+        assert runner.tick(job, force=True).items == 1
+        assert len(cursor.recheck) == 1
+        user.commit()
+        result = runner.tick(job, force=True)
+        assert result.items == 1, result
+        assert not cursor.recheck
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)  # the user's change is in
+
+
+def test_an_item_whose_parent_a_user_holds_is_claimed_once_released(db: Engine) -> None:
+    add_parents(db, [1, 2, 3])
+    job = make_job()
+    push(db, job, [1, 2, 3])
+    with pgjobs.Runner(db) as runner, psycopg.connect(libpq(db)) as user:
+        user.execute("select from parent where id = 2 for update")
+        first = runner.tick(job, force=True)
+        assert first.items == 2 and first.detail["deferred"] == 1, first
+        push(db, job, [3])
+        assert runner.tick(job, force=True).items == 1
+        user.commit()
+        assert runner.tick(job, force=True).items == 1
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+
+
+def test_the_items_of_a_tick_that_rolls_back_are_claimed_by_the_next(db: Engine) -> None:
+    add_parents(db, [1, 2])
+    fail = {"now": True}
+
+    def after(conn, keys, stats):
+        if fail["now"]:
+            raise pgjobs.ConfigError("after is misconfigured")  # the whole run fails
+
+    job = make_job(after=after)
+    push(db, job, [1, 2])
+    with pgjobs.Runner(db) as runner:
+        assert runner.tick(job, force=True).outcome == "failed"
+        push(db, job, [])  # nothing new
+        fail["now"] = False
+        assert runner.tick(job, force=True).items == 2
+    assert queue_rows(db) == []
+
+
+def test_a_replica_that_finds_nothing_moves_its_cursor_on(db: Engine) -> None:
+    """Two runners (two processes' worth of cursors): one drains, the other
+    finds nothing to claim, and its cursor still moves past what the first
+    processed, so its claims do not walk those entries."""
+    add_parents(db, range(1, 201))
+    job = make_job(batch_size=50)
+    with pgjobs.Runner(db) as busy, pgjobs.Runner(db) as idle:
+        push(db, job, range(1, 201))
+        while busy.tick(job, force=True).items:
+            pass
+        assert idle.tick(job, force=True).outcome == "idle"
+        assert idle.tick(job, force=True).outcome == "idle"
+        assert idle.cursors.of("pgjobs", job.name).low >= 200
+
+
+def test_a_revived_item_gets_a_new_number_and_is_claimed(db: Engine) -> None:
+    add_parents(db, [1, 2])
+
+    def compute(conn, keys):
+        if any(k[0] == 1 for k in keys):
+            raise ValueError("item 1 fails")
+        return make_job().compute
+
+    job = make_job(compute=compute, max_attempts=1)
+    push(db, job, [1, 2])
+    with pgjobs.Runner(db) as runner:
+        first = runner.tick(job, force=True)
+        assert first.items == 1 and first.failed_items == 1
+        assert [r[3] for r in queue_rows(db)] == [True]  # [1] dead
+        with db.connect() as conn:
+            before = conn.execute(text("select seq from pgjobs.queue")).scalar_one()
+        job_ok = make_job()
+        with db.begin() as conn:
+            conn.execute(text("select pgjobs.enqueue('worker', '[[1]]')"))  # revives it
+            after = conn.execute(text("select seq from pgjobs.queue")).scalar_one()
+        assert after > before
+        assert runner.tick(job_ok, force=True).items == 1
+    assert queue_rows(db) == []
+
+
+# -- the migration, with items in the queue -------------------------------------------------
+def test_migration_015_numbers_the_queued_pending_retrying_and_dead_items(db_url: str) -> None:
+    engine = pgjobs.database.resolve_engine(db_url, call_timeout=10.0)[0]
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(SCHEMA)
+        before = [m for m in migrations() if m.number < 15]
+        with engine.connect() as conn:
+            migrate(conn, "pgjobs", available=before)
+        add_parents(engine, [1, 2, 3, 4])
+        with engine.begin() as conn:  # as 014's code leaves them: pending, retrying, dead
+            conn.execute(
+                text(
+                    "insert into pgjobs.queue (job, key, attempts, not_before, dead_at) values"
+                    " ('worker', '[3]', 0, now(), null), ('worker', '[1]', 0, now(), null),"
+                    " ('worker', '[2]', 1, now() + interval '1 hour', null),"
+                    " ('worker', '[4]', 3, now(), now())"
+                )
+            )
+        with engine.connect() as conn:
+            applied = migrate(conn, "pgjobs")
+        assert applied[0].name == "015_queue_seq"
+        with engine.connect() as conn:
+            numbered = conn.execute(
+                text("select key::text, seq from pgjobs.queue order by seq")
+            ).all()
+            indexes = set(
+                conn.execute(
+                    text("select indexname from pg_indexes where tablename = 'queue'")
+                ).scalars()
+            )
+        assert [k for k, _ in numbered] == ["[1]", "[2]", "[3]", "[4]"]  # in key order
+        assert indexes == {"queue_pkey", "queue_seq_idx", "queue_retry_idx"}
+        job = make_job(max_attempts=3)
+        with pgjobs.Runner(engine) as runner:
+            first = runner.tick(job, force=True)
+            assert first.items == 2  # [1] and [3]; [2] waits for its retry, [4] is dead
+            with engine.begin() as conn:
+                conn.execute(text("update pgjobs.queue set not_before = now() where key = '[2]'"))
+            assert runner.tick(job, force=True).items == 1
+            with engine.begin() as conn:
+                conn.execute(text("select pgjobs.enqueue('worker', '[[4], [5]]')"))
+                # a new number past every old one
+                rows = conn.execute(text("select key::text, seq from pgjobs.queue")).all()
+            assert min(s for _, s in rows) > numbered[-1][1]
+            assert runner.tick(job, force=True).items == 1  # [4]; [5] has no parent: dropped
+        assert queue_rows(engine) == []
+    finally:
+        engine.dispose()
