@@ -236,20 +236,27 @@ def queue_sizes(engine: Any) -> dict[str, Any]:
     return {"total_bytes": row[0], "index_bytes": row[1], "dead_tup": row[2], "live_tup": row[3]}
 
 
-def probes(dsn: str, job: str) -> dict[str, dict[str, float]]:
+def probes(dsn: str, job: str, low: int) -> dict[str, dict[str, float]]:
     """What the queue's statements cost now (EXPLAIN ANALYZE, BUFFERS): the
-    work check, the claim's read in key order, the job's state, its flow
-    records, one mark, an enqueue of a new key (rolled back): which of them
-    walk the entries vacuum may not remove yet."""
+    work check and the claim's read as the worker sends them, from its
+    cursor (``low``: pgjobs/worker/cursor.py), and the same from the start
+    of the queue (what a claim in key order walked before migration 015,
+    and what a full pass walks); the job's state, its flow records, one
+    mark, an enqueue of a new key (rolled back): which of them walk the
+    entries vacuum may not remove yet."""
+    work = (
+        "select (select true from pgjobs.queue where job = %(job)s and dead_at is null"
+        " and attempts = 0 and seq > %({low})s order by seq limit 1)"
+    )
+    claim = (
+        "select key from pgjobs.queue where job = %(job)s and dead_at is null"
+        " and attempts = 0 and seq > %({low})s order by seq limit 100"
+    )
     statements = {
-        "work check": (
-            "select (select 1 from pgjobs.queue where job = %(job)s and dead_at is null"
-            " and not_before <= now() order by not_before limit 1) is not null"
-        ),
-        "claim read": (
-            "select key from pgjobs.queue where job = %(job)s and dead_at is null"
-            " and not_before <= now() order by key limit 100"
-        ),
+        "work check": work.format(low="low"),
+        "claim read": claim.format(low="low"),
+        "work check from 0": work.format(low="zero"),
+        "claim read from 0": claim.format(low="zero"),
         "job_state": "select * from pgjobs.job_state where job = %(job)s",
         "flow_worker": "select * from pgjobs.flow_worker where job = %(job)s",
         "mark": "select * from pgjobs.mark where target = 'derived'::regclass::text and key = '[1]'",
@@ -259,7 +266,8 @@ def probes(dsn: str, job: str) -> dict[str, dict[str, float]]:
     with psycopg.connect(dsn) as pg:
         for name, query in statements.items():
             (plan,) = pg.execute(
-                "explain (analyze, buffers, format json) " + query, {"job": job}
+                "explain (analyze, buffers, format json) " + query,
+                {"job": job, "low": low, "zero": 0},
             ).fetchone()
             top = plan[0]["Plan"]
             out[name] = {
@@ -299,14 +307,15 @@ def one_pass(
         scheduler.listener.listening.wait(10)
         users.start()
         time.sleep(args.before)
-        out["probes_before"] = probes(dsn, job.name)
+        cursor = scheduler.runner.cursors.of("pgjobs", job.name)
+        out["probes_before"] = probes(dsn, job.name, cursor.low)
         hold = Hold(dsn, kind, args.hold + 600) if kind != "none" else None
         if hold is not None:
             hold.start()
             hold.held.wait(10)
         hold_start = time.perf_counter()
         time.sleep(args.hold)
-        out["probes_end_of_hold"] = probes(dsn, job.name)
+        out["probes_end_of_hold"] = probes(dsn, job.name, cursor.low)
         # the backlog, at the end of the hold, drained while it is still held
         keys = list(range(backlog_from, backlog_from + args.backlog))
         with psycopg.connect(dsn) as pg:

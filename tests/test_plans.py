@@ -10,11 +10,13 @@ session (its session tables still there), with the same parameters.
 
 What each must use, and why (docs/DESIGN.md, "The queue and its worker"):
 
-* has_work: ``queue_due_idx`` (job, not_before) where dead_at is null: one
-  probe for a due, live entry however many wait;
-* the claim: ``queue_claim_idx`` (job, key) where dead_at is null, read in
-  key order and stopped after batch_size entries (no sort of every due
-  entry: migration 004), its re-check by the primary key;
+* has_work: ``queue_seq_idx`` (job, seq) where dead_at is null and
+  attempts = 0, from the cursor, and ``queue_retry_idx`` (job, not_before)
+  where dead_at is null and attempts > 0: one probe each, however many wait
+  (migration 015);
+* the claim: ``queue_seq_idx`` read in number order from the cursor and
+  stopped after batch_size entries (no sort of every due entry), the due
+  retries by ``queue_retry_idx``, its re-check by the primary key;
 * the status read (``pgjobs status``, the page): each job's latest run by
   one probe of ``run_job_started_idx`` (job, started_at desc); its last
   check (a run ``checked``, rare among its runs) by one probe of
@@ -53,13 +55,16 @@ create table derived_fk (id int primary key references item (id), v int not null
 insert into item select g, g from generate_series(1, 1000) g;
 -- the worker's 600k entries (due, then 10k not yet due, then 1k dead), and
 -- 400k of 99 other jobs, in one statement
-insert into pgjobs.queue (job, key, enqueued_at, not_before, dead_at)
+-- (the retrying and the dead have failed attempts; every entry its number)
+insert into pgjobs.queue (job, key, enqueued_at, not_before, dead_at, attempts, seq)
 select case when g <= 600000 then 'worker' else 'other-' || (g % 99) end,
        jsonb_build_array(g), now() - interval '1 hour',
        case when g between 580001 and 590000 then now() + interval '1 hour'
             else now() - interval '1 minute' end,
-       case when g > 599000 and g <= 600000 then now() end
+       case when g > 599000 and g <= 600000 then now() end,
+       case when g between 580001 and 600000 then 1 else 0 end, g
 from generate_series(1, {ENTRIES}) g;
+select setval('pgjobs.queue_seq', {ENTRIES});
 insert into pgjobs.job_state (job, next_attempt_at, failures, last_success_at)
 select 'job-' || g, now() + interval '1 minute', 0, now() from generate_series(1, {JOBS}) g;
 insert into pgjobs.run (job, outcome, started_at, finished_at)
@@ -113,7 +118,7 @@ def big(pg_server: str) -> Iterator[Engine]:
             conn.execute(
                 "set maintenance_work_mem = '256MB'; set synchronous_commit = off;"
                 " alter table pgjobs.queue drop constraint queue_pkey;"
-                " drop index pgjobs.queue_due_idx, pgjobs.queue_claim_idx"
+                " drop index pgjobs.queue_seq_idx, pgjobs.queue_retry_idx"
             )
             conn.execute(FILL.encode())
             conn.execute(
@@ -218,21 +223,24 @@ def test_the_queue_ticks_statements_use_their_indexes(big: Engine, name: str, ta
     for text, plan in found:
         assert ("Seq Scan", None) not in scans(plan, "queue"), show([(text, plan)])
 
-    has_work = [(t, p) for t, p in found if "not_before <= now() order by not_before" in t.lower()]
+    has_work = [(t, p) for t, p in found if "seq > %s order by seq limit 1" in t.lower()]
     assert has_work, show(found)
     for text, plan in has_work:
         used = {index for _, index in scans(plan, "queue")}
-        assert used == {"queue_due_idx"}, show([(text, plan)])
+        assert used == {"queue_seq_idx", "queue_retry_idx"}, show([(text, plan)])
 
     claims = [(t, p) for t, p in found if "skip locked" in t.lower()]
     assert claims, show(found)
     for text, plan in claims:
         used = [index for _, index in scans(plan, "queue")]
-        # the due entries in key order (stopping at the batch), then the
-        # entries claimed re-read by their primary key
-        assert used and used[0] == "queue_claim_idx", show([(text, plan)])
-        assert set(used) <= {"queue_claim_idx", "queue_pkey"}, show([(text, plan)])
-        # no sort over a read of the queue's entries (the claim's key order
+        # the due retries, the entries past the cursor in number order
+        # (stopping at the batch), then the entries claimed re-read by
+        # their primary key
+        assert "queue_seq_idx" in used and "queue_retry_idx" in used, show([(text, plan)])
+        assert set(used) <= {"queue_seq_idx", "queue_retry_idx", "queue_pkey"}, show(
+            [(text, plan)]
+        )
+        # no sort over a read of the queue's entries (the claim's order
         # is the index's, and it stops at the batch); what is sorted past a
         # limit or from a CTE is a batch (the item parents, to be locked in
         # key order; the claim's own rows)

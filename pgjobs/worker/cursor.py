@@ -30,15 +30,14 @@ of its item: the claim skips both, never waiting) is kept by number in
 claimed or gone: ``low`` does not wait for it.
 
 Entries waiting for a retry after a failure are found apart (their own
-index, ``attempts > 0``). A long transaction *with an xid* (one that wrote)
-keeps the samples from being safe while it runs: claims then read from an
-older ``low``, and walk the entries processed since (as every claim did
-before). A transaction prepared for two-phase commit is not among the
-running xids the sample reads: an entry it enqueued, and a case nothing
-above covers (a worker of another process that claimed with the item
-locks of ``workers`` > 1 and died), are found by a full pass, a claim from
-the start, every :data:`FULL_PASS_SECONDS` and at the first claim of a
-process.
+index, ``attempts > 0``). A long transaction *with an xid* (one that wrote,
+or a transaction prepared for two-phase commit) keeps the samples from
+being safe while it runs: claims then read from an older ``low``, and walk
+the entries processed since (as every claim did before). What nothing
+above covers (an entry an older release's ``pgjobs revive`` made due
+again with its old number; a database restored under a running process)
+is found by a full pass, a claim from the start, every
+:data:`FULL_PASS_SECONDS` and at the first claim of a process.
 """
 
 from __future__ import annotations
@@ -64,16 +63,20 @@ FRESH, RETRY, RECHECK = 0, 1, 2
 def sample_sql(schema: str) -> tuple[sql.Composable, sql.Composable]:
     """The sample (see the module docstring) as a FROM item ``l`` (the
     sequence's last value, ``l.v``) and a column of that row: the xids of
-    the transactions running in this database, this session's left out;
-    a subquery of ``l``'s row, so read after it."""
+    the transactions running in this database, this session's left out, and
+    of those prepared for two-phase commit; a subquery of ``l``'s row, so
+    read after it."""
     numbers = sql.Identifier(schema, "queue_seq")
     last = sql.SQL(
         "(select case when is_called then last_value else 0 end as v from {} offset 0) as l"
     ).format(numbers)
     running = sql.SQL(
-        "(select array_agg(a.backend_xid::text::bigint) from pg_stat_get_activity(null) as a"
-        " where a.backend_xid is not null and a.pid <> pg_backend_pid() and a.datid ="
-        " (select oid from pg_database where datname = current_database()) and l.v is not null)"
+        "(select array_agg(x) from (select a.backend_xid::text::bigint as x"
+        " from pg_stat_get_activity(null) as a where a.backend_xid is not null"
+        " and a.pid <> pg_backend_pid() and a.datid ="
+        " (select oid from pg_database where datname = current_database()) and l.v is not null"
+        " union all select p.transaction::text::bigint from pg_prepared_xacts as p"
+        " where p.database = current_database() and l.v is not null) as r)"
     )
     return last, running
 

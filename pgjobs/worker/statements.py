@@ -350,11 +350,15 @@ class Statements:
             " limit %(n)s)"
         ).format(read.format(q=self.queue, limit=sql.SQL("4 * %(n)s")))
 
-    def _read_sql(self) -> sql.Composed:
+    def _read_sql(self) -> sql.Composable:
         """How many entries the claim read (``due``, or its ``candidates``
         with workers > 1): fewer than it could take, and it read them all."""
-        return sql.SQL("(select count(*) from {})").format(
-            sql.Identifier("due" if self.job.workers == 1 else "candidates")
+        if self.job.workers == 1:
+            return sql.SQL("(select count(*) from due)")
+        # (all the candidates were tried only when fewer than n were taken)
+        return sql.SQL(
+            "(select case when count(*) < %(n)s then (select count(*) from candidates)"
+            " else 4 * %(n)s end from due)"
         )
 
     def _unread_sql(self) -> sql.Composable:
