@@ -237,9 +237,7 @@ def test_the_queue_ticks_statements_use_their_indexes(big: Engine, name: str, ta
         # (stopping at the batch), then the entries claimed re-read by
         # their primary key
         assert "queue_seq_idx" in used and "queue_retry_idx" in used, show([(text, plan)])
-        assert set(used) <= {"queue_seq_idx", "queue_retry_idx", "queue_pkey"}, show(
-            [(text, plan)]
-        )
+        assert set(used) <= {"queue_seq_idx", "queue_retry_idx", "queue_pkey"}, show([(text, plan)])
         # no sort over a read of the queue's entries (the claim's order
         # is the index's, and it stops at the batch); what is sorted past a
         # limit or from a CTE is a batch (the item parents, to be locked in

@@ -27,7 +27,9 @@ number only when both hold:
 An entry read but not claimed (a user's transaction holds it, or a parent
 of its item: the claim skips both, never waiting) is kept by number in
 ``recheck`` and read again by its number at the next claims, until it is
-claimed or gone: ``low`` does not wait for it.
+claimed or gone: ``low`` does not wait for it. So is what a tick claimed
+when the tick does not commit (rolled back, failed, cut off), and what it
+claimed and left queued when it does (kept for a lock someone holds).
 
 Entries waiting for a retry after a failure are found apart (their own
 index, ``attempts > 0``). A long transaction *with an xid* (one that wrote,
@@ -96,6 +98,8 @@ class Read:
     rows: list[tuple[int, int, bool]] = field(default_factory=list)
     #: whether it was a full pass (sent with ``low`` 0)
     full: bool = False
+    #: the cursor's generation when it was sent (see :meth:`Cursor.advance`)
+    generation: int = 0
 
 
 class Cursor:
@@ -112,9 +116,12 @@ class Cursor:
         self.safe = 0
         #: when the next full pass is due (the first claim is one)
         self._full_at = 0.0
-        #: claimed numbers of ticks not yet ended: ``low`` stays below them
-        self._held: dict[int, int] = {}
+        #: what ticks not yet ended claimed (by number), to be read again if
+        #: they do not commit
+        self._held: dict[int, tuple[int, list[int]]] = {}
         self._next_tick = 0
+        #: how many times the cursor was reset (a read from before is ignored)
+        self._generation = 0
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator, no-any-return]
@@ -125,26 +132,31 @@ class Cursor:
             full = self._now() >= self._full_at
             if full:
                 self._full_at = self._now() + FULL_PASS_SECONDS
-            low = 0 if full else self._low()
-            return Read(low=low, recheck=tuple(self.recheck), limit=0, full=full)
+            low = 0 if full else self.low
+            return Read(
+                low=low,
+                recheck=tuple(self.recheck),
+                limit=0,
+                full=full,
+                generation=self._generation,
+            )
 
-    def peek(self) -> tuple[int, bool, int]:
+    def peek(self) -> tuple[int, bool, tuple[int, int]]:
         """Where a work check reads from (0 when a full pass is due),
-        whether entries wait to be read again, and what is safe now."""
+        whether entries wait to be read again, and what is safe now (with
+        the cursor's generation, for :meth:`nothing_past`)."""
         with self._lock:
             full = self._now() >= self._full_at
-            return (0 if full else self._low()), bool(self.recheck), self.safe
+            low = 0 if full else self.low
+            return low, bool(self.recheck), (self.safe, self._generation)
 
-    def nothing_past(self, safe: int) -> None:
+    def nothing_past(self, safe: tuple[int, int]) -> None:
         """A work check found no entry past ``low``: every entry numbered
-        up to ``safe`` (what was safe when it was sent) is gone."""
+        up to what was safe when it was sent is gone."""
+        value, generation = safe
         with self._lock:
-            self.low = max(self.low, safe)
-
-    def _low(self) -> int:
-        if self._held:
-            return min(self.low, min(self._held.values()) - 1)
-        return self.low
+            if generation == self._generation:
+                self.low = max(self.low, value)
 
     def sample(self, last: int | None, running: Iterable[int] | None) -> None:
         """What the sample sent with a claim read: the sequence's last value,
@@ -170,6 +182,7 @@ class Cursor:
             self._samples = still[-64:] if len(still) > 64 else still
 
     def _reset(self) -> None:
+        self._generation += 1
         self.low = 0
         self.safe = 0
         self.recheck.clear()
@@ -179,44 +192,43 @@ class Cursor:
 
     def advance(self, read: Read) -> int:
         """Move on after ``read`` (a claim's rows): ``low``, ``recheck``.
-        Returns a tick token for :meth:`ended`: the numbers it claimed keep
-        ``low`` below them until the tick ends (a rollback leaves them queued)."""
-        fresh = [r for r in read.rows if r[1] == FRESH]
+        Returns a tick token for :meth:`ended`: what it claimed keeps ``low``
+        below it until the tick ends (a rollback leaves it queued)."""
+        fresh = [seq for seq, path, _ in read.rows if path == FRESH]
         complete = read.count < read.limit
         with self._lock:
-            bound = self.safe if complete else min(self.safe, max((r[0] for r in fresh), default=0))
+            self._next_tick += 1
+            if read.generation != self._generation:
+                return self._next_tick  # read before a reset: tells nothing now
+            # past what it read (all of it, when it read fewer than it could)
+            # and not past what is safe
+            bound = self.safe if complete else min(self.safe, max(fresh, default=0))
             new_low = max(read.low, bound)
-            # the entries it read again: kept when still not claimed, dropped
-            # when claimed or gone
+            self.low = new_low if read.full else max(self.low, new_low)
+            # what it read again: kept while not claimed, dropped when claimed or gone
             for seq in read.recheck:
                 self.recheck.pop(seq, None)
             for seq, path, claimed in read.rows:
-                if not claimed and path in (FRESH, RECHECK) and seq <= new_low:
+                if not claimed and path != RETRY and seq <= self.low:
                     self.recheck[seq] = None
             if len(self.recheck) > RECHECK_MAX:
                 kept = sorted(self.recheck)
-                dropped = kept[RECHECK_MAX:]
                 self.recheck = dict.fromkeys(kept[:RECHECK_MAX])
-                new_low = min(new_low, dropped[0] - 1)
-            if read.full:
-                self.low = new_low
-            else:
-                self.low = max(self.low, new_low)
-            taken = [r[0] for r in read.rows if r[2] and r[1] == FRESH]
-            self._next_tick += 1
+                self.low = min(self.low, kept[RECHECK_MAX] - 1)
+            taken = [seq for seq, path, claimed in read.rows if claimed and path != RETRY]
             if taken:
-                self._held[self._next_tick] = min(taken)
+                self._held[self._next_tick] = (self._generation, taken)
             return self._next_tick
 
     def ended(self, token: int, *, committed: bool, left: Iterable[int] = ()) -> None:
         """The tick of ``token`` ended: committed (its entries are gone, but
-        those ``left`` queued, read again by their number) or not (they are
-        queued still: ``low`` goes back below them)."""
+        those ``left`` queued, read again by their number) or not (what it
+        claimed is queued still: read again)."""
         with self._lock:
-            held = self._held.pop(token, None)
-            if held is not None and not committed:
-                self.low = min(self.low, held - 1)
-            for seq in left:
+            generation, taken = self._held.pop(token, (self._generation, []))
+            if generation != self._generation:
+                return
+            for seq in taken if not committed else left:
                 if seq <= self.low:
                     self.recheck[seq] = None
 
