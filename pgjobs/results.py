@@ -76,7 +76,8 @@ class Execution:
     #: the work check saw): the runner rolls back and ends the tick ``idle``
     idle: bool = False
     #: items were left queued for a lock someone else holds (a parent, a
-    #: derived row): the runner asks for the tick again within seconds
+    #: derived row, the entry itself): the runner asks for the tick again
+    #: within seconds
     retry_soon: bool = False
     #: the body gave up without writing (a recompute whose queue workers
     #: changed while it ran with flow): the runner rolls back and ends the

@@ -108,7 +108,7 @@ _RENEW_ID = "pgjobs:flow-workers"
 
 
 #: outcomes retried ``retry_after`` later by whichever worker had them
-_SOON = (Outcome.INTERRUPTED, Outcome.TRANSIENT, Outcome.RAN)
+_SOON = (Outcome.INTERRUPTED, Outcome.TRANSIENT, Outcome.RAN, Outcome.IDLE)
 
 
 def _entry_id(name: str) -> str:
@@ -635,8 +635,9 @@ class Scheduler:
             if result is None:
                 return
             if result.outcome in _SOON and result.retry_after is not None:
-                # interrupted, transient: within seconds; ran: items left for
-                # a lock someone holds (docs/DESIGN.md, "Transient failures")
+                # interrupted, transient: within seconds; ran, idle: items
+                # left for a lock someone holds (docs/DESIGN.md, "Transient
+                # failures", "Locks someone holds")
                 self._retry(name, result.retry_after)
             elif index == 0:
                 if result.outcome is Outcome.BUSY and result.retry_after is not None:

@@ -343,6 +343,9 @@ class Tick:
             execution = self.body.execute(conn, job, self.ctx, self.prefetched)
             if execution.idle:
                 self.trans.rollback()
+                if execution.retry_soon:  # what it found, someone else holds
+                    soon = timedelta(seconds=self.runner.deferrals.note(job.name))
+                    return self._finish(Outcome.IDLE, retry_after=soon)
                 return self._finish(Outcome.IDLE)
             if execution.busy:  # a recompute with flow gave up (pgjobs.flow)
                 self.trans.rollback()

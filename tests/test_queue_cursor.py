@@ -29,6 +29,7 @@ from tests.test_queue import (
     push,
     queue_rows,
 )
+from tests.test_wake import wait_until
 
 
 def libpq(engine: Engine) -> str:
@@ -166,6 +167,33 @@ def test_an_entry_a_users_transaction_holds_is_claimed_after_its_commit(db: Engi
         assert not cursor.recheck
     assert queue_rows(db) == []
     assert derived(db) == from_scratch(db)  # the user's change is in
+
+
+def test_an_entry_held_at_the_claim_is_claimed_soon_after_its_commit_which_wakes_nobody(
+    db: Engine,
+) -> None:
+    """The user's enqueue of an item already queued adds nothing, so its
+    commit notifies nobody: the tick that found the entry held (and nothing
+    else) asks for another within seconds, not at the job's interval."""
+    add_parents(db, [2])
+    job = make_job(every="1h")
+    push(db, job, [2])
+    results: list[pgjobs.RunResult] = []
+    with psycopg.connect(libpq(db)) as user:
+        user.execute("update source set val = val + 1 where parent_id = 2")
+        user.execute("select pgjobs.enqueue('worker', '[[2]]')")  # holds the queued entry
+        with pgjobs.Scheduler([job], db, on_result=results.append):
+            wait_until(
+                lambda: (
+                    any(r.detail.get("held") for r in results)
+                    or any(r.outcome == "idle" and r.retry_after for r in results)
+                ),
+                what="a tick that found the entry held",
+            )
+            assert queue_rows(db) != []
+            user.commit()
+            wait_until(lambda: queue_rows(db) == [], timeout=15.0, what="the entry claimed")
+    assert derived(db) == from_scratch(db)
 
 
 def test_an_item_whose_parent_a_user_holds_is_claimed_once_released(db: Engine) -> None:

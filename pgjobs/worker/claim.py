@@ -342,8 +342,9 @@ def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:
     # user's transaction holds (an uncommitted enqueue): skipped.
     t.claimed_at = time.perf_counter()
     for item, attempts, is_gone, claimed, age, *_ in result:
-        if item is None:
-            continue  # read but held by another transaction: for the cursor only
+        if item is None:  # read, and another transaction held it: skipped
+            t.held += 1
+            continue
         if claimed:
             t.attempts_of[item] = attempts
             t.age_of[item] = age
@@ -363,7 +364,9 @@ def claim_rows(t: Tick) -> list[str]:
     t.claimed_at = time.perf_counter()
     items = []
     for item, attempts, age, *_ in rows:
-        if item is not None:
+        if item is None:  # read, and another transaction held it: skipped
+            t.held += 1
+        else:
             t.attempts_of[item] = attempts
             t.age_of[item] = age
             items.append(item)

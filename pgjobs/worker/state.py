@@ -99,6 +99,8 @@ class Tick:
     #: the small write went with the claim and is taken as this batch's:
     #: (its composed statement, its result), for :func:`.small.write_small`
     ahead_write: tuple[Any, Result] | None = None
+    #: entries the claim read and another transaction held (skipped)
+    held: int = 0
     #: the cursor's sample sent with the claim (pgjobs/worker/cursor.py), until read
     ctx_sample: tuple[Any, ...] | None = None
 

@@ -72,7 +72,10 @@ def run_tick(
         t.dropped.extend(gone)
         log.info("pgjobs: %s: dropped %d item(s) whose parent is gone", job.name, len(gone))
     if not (items or gone or deferred or unreadable):
-        return Execution(idle=True)  # a worker beside this one took them
+        # a worker beside this one took them, or a user's transaction holds
+        # them (an uncommitted enqueue of an item already queued: its commit
+        # wakes nobody, so the tick comes again within seconds)
+        return Execution(idle=True, retry_soon=t.held > 0)
     if items:
         process(t, items)
     dead = 0
@@ -94,6 +97,7 @@ def run_tick(
             "claimed": len(items) + len(gone) + len(unreadable),
             "parent_gone": len(gone),
             "deferred": len(deferred),
+            "held": t.held,
             "kept": len(t.kept),
             "rows_deferred": t.rows_deferred,
             "locked": len(t.locked),
@@ -101,7 +105,7 @@ def run_tick(
         },
         queue_lag=tuple(t.age_of[i] + since_claim for i in t.done if i in t.age_of),
         # items left for a lock someone holds: tried again within seconds
-        retry_soon=bool(deferred or t.kept),
+        retry_soon=bool(deferred or t.kept or t.held),
     )
 
 
