@@ -98,7 +98,7 @@ def claim(t: Tick) -> Claimed:
             statements.append((t.statements.loaded_keys, None))
         try:
             _, sampled, rows, *loaded = send(t.conn, *statements)
-            t.ctx_sample = sampled.one()
+            t.sample = sampled.one()
             fits = keys_table_fits(t, shape.result.one() if shape.result else None)
             result = rows.all() if fits else []
         except psycopg.DatabaseError as exc:
@@ -141,14 +141,22 @@ def claim_params(job: QueueJob, ctx: RunContext) -> tuple[dict[str, Any], Read]:
     return params, read
 
 
-def moved(t: Tick, read: Read, rows: list[tuple[Any, ...]], seq_at: int = SEQ_AT) -> None:
+def moved(
+    t: Tick,
+    read: Read,
+    rows: list[tuple[Any, ...]],
+    seq_at: int = SEQ_AT,
+    claimed_at: int = 3,
+) -> None:
     """The cursor after a claim's ``rows`` (and the sample sent with it),
-    and what it does when the tick ends (pgjobs/worker/cursor.py)."""
+    and what it does when the tick ends (pgjobs/worker/cursor.py). The
+    rows' number, path and read count are at ``seq_at`` and after it;
+    whether the entry was claimed, at ``claimed_at`` (the item itself in
+    :func:`claim_rows`' rows, ``None`` for an entry held)."""
     cursor = cursor_of(t.ctx)
-    if t.ctx_sample is not None:
-        cursor.sample(*t.ctx_sample)
-        t.ctx_sample = None
-    claimed_at = 3 if seq_at == SEQ_AT else 0
+    if t.sample is not None:
+        cursor.sample(*t.sample)
+        t.sample = None
     token = cursor.advance(rows_read(read, rows, seq_at, claimed_at))
     claimed = {r[0]: int(r[seq_at]) for r in rows if r[0] is not None and r[claimed_at]}
 
@@ -268,7 +276,7 @@ def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
         t.raw.execute(_AHEAD_UNDO)
         return None
     if ahead.sampled.result is not None:
-        t.ctx_sample = ahead.sampled.result.one()
+        t.sample = ahead.sampled.result.one()
     rows = result.all()
     moved(t, ahead.read, rows)
     claimed = keyed(t, rows, _AHEAD_AFTER)
@@ -315,7 +323,7 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any], read: Read)
         rollback_to(t, sp)
         forget_keys_table(t)
         return None
-    t.ctx_sample = sampled.one()
+    t.sample = sampled.one()
     result = rows.all()
     moved(t, read, result)
     return keyed(t, result, first)
@@ -358,9 +366,9 @@ def claim_rows(t: Tick) -> list[str]:
     """Claim due entries plainly (a batch of them), no parent locked."""
     params, read = claim_params(t.job, t.ctx)
     sampled, claimed = send(t.conn, (t.statements.sample, None), (t.statements.claim_all, params))
-    t.ctx_sample = sampled.one()
+    t.sample = sampled.one()
     rows = claimed.all()
-    moved(t, read, rows, seq_at=3)
+    moved(t, read, rows, seq_at=3, claimed_at=0)
     t.claimed_at = time.perf_counter()
     items = []
     for item, attempts, age, *_ in rows:

@@ -102,7 +102,7 @@ class Tick:
     #: entries the claim read and another transaction held (skipped)
     held: int = 0
     #: the cursor's sample sent with the claim (pgjobs/worker/cursor.py), until read
-    ctx_sample: tuple[Any, ...] | None = None
+    sample: tuple[Any, ...] | None = None
 
 
 def new_tick(
