@@ -371,3 +371,15 @@ def test_a_sample_is_safe_once_none_of_its_running_xids_runs() -> None:
     assert cursor.safe == 10  # 501 and 502 ended: every drawer up to 10 ended
     cursor.sample(40, [])
     assert cursor.safe == 40
+
+
+def test_a_work_check_that_finds_nothing_from_the_start_is_the_full_pass() -> None:
+    cursor = Cursor()
+    low, _, sent = cursor.peek()
+    assert low == 0 and sent[2]  # the first check of a process reads from the start
+    cursor.sample(70, [])
+    cursor.nothing_past(sent)  # nothing there
+    low, _, sent = cursor.peek()
+    assert not sent[2]  # not again before FULL_PASS_SECONDS
+    cursor.nothing_past(sent)
+    assert cursor.peek()[0] == 70

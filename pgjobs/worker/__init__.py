@@ -78,7 +78,7 @@ def pending_answer(job: QueueJob, ctx: RunContext, row: Sequence[Any] | None) ->
     has_work, fresh, last, running = row
     cursor = cursor_of(ctx)
     if not fresh:
-        cursor.nothing_past(ctx.extra.pop(_SAFE, (0, -1)))
+        cursor.nothing_past(ctx.extra.pop(_SAFE, (0, -1, False)))
     cursor.sample(last, running)
     return bool(has_work)
 

@@ -141,22 +141,26 @@ class Cursor:
                 generation=self._generation,
             )
 
-    def peek(self) -> tuple[int, bool, tuple[int, int]]:
+    def peek(self) -> tuple[int, bool, tuple[int, int, bool]]:
         """Where a work check reads from (0 when a full pass is due),
-        whether entries wait to be read again, and what is safe now (with
-        the cursor's generation, for :meth:`nothing_past`)."""
+        whether entries wait to be read again, and what :meth:`nothing_past`
+        needs: what is safe now, the cursor's generation, and whether the
+        check is a full pass."""
         with self._lock:
             full = self._now() >= self._full_at
             low = 0 if full else self.low
-            return low, bool(self.recheck), (self.safe, self._generation)
+            return low, bool(self.recheck), (self.safe, self._generation, full)
 
-    def nothing_past(self, safe: tuple[int, int]) -> None:
+    def nothing_past(self, sent: tuple[int, int, bool]) -> None:
         """A work check found no entry past ``low``: every entry numbered
-        up to what was safe when it was sent is gone."""
-        value, generation = safe
+        up to what was safe when it was sent is gone (and, from the start,
+        that was a full pass)."""
+        safe, generation, full = sent
         with self._lock:
             if generation == self._generation:
-                self.low = max(self.low, value)
+                self.low = max(self.low, safe)
+                if full:
+                    self._full_at = self._now() + FULL_PASS_SECONDS
 
     def sample(self, last: int | None, running: Iterable[int] | None) -> None:
         """What the sample sent with a claim read: the sequence's last value,
