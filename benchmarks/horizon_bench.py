@@ -283,6 +283,20 @@ def probes(dsn: str, job: str, low: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def cursor_state(dsn: str, cursor: Any) -> dict[str, int]:
+    """Where the worker's cursor is (pgjobs/worker/cursor.py) against the
+    queue's last number: how far behind it reads from."""
+    with psycopg.connect(dsn) as pg:
+        (last,) = pg.execute("select last_value from pgjobs.queue_seq").fetchone()
+    return {
+        "last": last,
+        "low": cursor.low,
+        "safe": cursor.safe,
+        "recheck": len(cursor.recheck),
+        "samples": len(cursor._samples),
+    }
+
+
 def one_pass(
     engine: Any, dsn: str, args: argparse.Namespace, kind: str, r: int, backlog_from: int
 ) -> dict[str, Any]:
@@ -308,6 +322,7 @@ def one_pass(
         users.start()
         time.sleep(args.before)
         cursor = scheduler.runner.cursors.of("pgjobs", job.name)
+        out["cursor_before"] = cursor_state(dsn, cursor)
         out["probes_before"] = probes(dsn, job.name, cursor.low)
         hold = Hold(dsn, kind, args.hold + 600) if kind != "none" else None
         if hold is not None:
@@ -315,6 +330,7 @@ def one_pass(
             hold.held.wait(10)
         hold_start = time.perf_counter()
         time.sleep(args.hold)
+        out["cursor_end_of_hold"] = cursor_state(dsn, cursor)
         out["probes_end_of_hold"] = probes(dsn, job.name, cursor.low)
         # the backlog, at the end of the hold, drained while it is still held
         keys = list(range(backlog_from, backlog_from + args.backlog))
@@ -471,6 +487,13 @@ def _print_pass(row: dict[str, Any]) -> None:
             f" {b['ms']:8.3f} ms {b['buffers']:6,} buffers at the end of the hold"
         )
     print(f"  dead tuples at the end of the hold: {row['probes_end_of_hold']['dead tuples']}")
+    for when in ("cursor_before", "cursor_end_of_hold"):
+        c = row[when]
+        print(
+            f"  {when.replace('_', ' ')}: last number {c['last']:,}, cursor {c['low']:,}"
+            f" ({c['last'] - c['low']:,} behind), safe {c['safe']:,},"
+            f" {c['recheck']} to read again, {c['samples']} samples pending"
+        )
     for w in row["windows"]:
         if w["n"]:
             print(
