@@ -150,7 +150,7 @@ def moved(
 ) -> None:
     """The cursor after a claim's ``rows`` (and the sample sent with it),
     and what it does when the tick ends (pgjobs/worker/cursor.py). The
-    rows' number, path and read count are at ``seq_at`` and after it;
+    rows' number, path, read count and ctid are at ``seq_at`` and after it;
     whether the entry was claimed, at ``claimed_at`` (the item itself in
     :func:`claim_rows`' rows, ``None`` for an entry held)."""
     cursor = cursor_of(t.ctx)
@@ -159,6 +159,7 @@ def moved(
         t.sample = None
     token = cursor.advance(rows_read(read, rows, seq_at, claimed_at))
     claimed = {r[0]: int(r[seq_at]) for r in rows if r[0] is not None and r[claimed_at]}
+    t.ctid_of.update((r[0], r[seq_at + 3]) for r in rows if r[0] in claimed)
 
     def committed(conn: Connection) -> None:
         # claimed, and neither processed, dropped nor failed: left queued

@@ -101,6 +101,9 @@ class Tick:
     ahead_write: tuple[Any, Result] | None = None
     #: entries the claim read and another transaction held (skipped)
     held: int = 0
+    #: each claimed item's entry, by its ctid (the claim locked that version;
+    #: the delete takes it by it)
+    ctid_of: dict[str, str] = field(default_factory=dict)
     #: the cursor's sample sent with the claim (pgjobs/worker/cursor.py), until read
     sample: tuple[Any, ...] | None = None
 
