@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from psycopg import sql
@@ -37,7 +39,7 @@ from ..staging import Staged, check_coverage
 from ..target import Target, describe, reflect_target
 from .compute import SliceCompute
 from .cut import MAX_PIECES, key_source
-from .progress import Runs
+from .progress import Piece, Runs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,12 @@ KEYS_TABLE = "pgjobs_slice_keys"
 GROWTH = 4.0
 #: a cron job's run starts over after this long without a slice (it has no interval)
 CRON_FRESH = timedelta(days=1)
+#: rows of a slice's difference written per transaction (whole parents, about
+#: this many rows; at most the job's ``chunk_rows``): the group's write lock is
+#: held for one such write and its commit, a few milliseconds, and the queue
+#: workers of the group get in between two of them (a slice's whole write,
+#: 40-260 ms here, made their keys wait as long: ``docs/slices.md``)
+WRITE_ROWS = 500
 
 _told_pooled: set[str] = set()
 
@@ -130,6 +138,7 @@ def run_sliced(
     plan = prepared.plan
     write_lock = lock_name(ctx.namespace, job.group or job.name)
     count, mine, rows_mine, written = 1, 0, 0, 0
+    prune: _Flow | None = None
     ctx.report("slices", run.done, run.pieces)
     while True:
         started = time.perf_counter()
@@ -142,14 +151,26 @@ def run_sliced(
                 detail={"sliced": "joined", "slices_here": mine, "rows_here": rows_mine},
             )
         how = KeyRange(low=pieces[0].low, high=pieces[-1].high)
-        done_slice = _slice(conn, job, ctx, target, plan, compute, how, write_lock)
+        committed: dict[str, int] = {}  # what the slice's chunks added to the run
+        done_slice = _slice(
+            conn,
+            job,
+            ctx,
+            target,
+            plan,
+            compute,
+            how,
+            write_lock,
+            between=partial(_between, runs, run.id, pieces, committed),
+        )
         seconds = time.perf_counter() - started
         stats = done_slice.result.stats
         sums = {
-            "inserted": stats.inserted,
-            "updated": stats.updated,
-            "deleted": stats.deleted,
-            "skipped": stats.skipped_missing_parent,
+            # (what the slice's chunks committed before is in the run already)
+            "inserted": stats.inserted - committed.get("inserted", 0),
+            "updated": stats.updated - committed.get("updated", 0),
+            "deleted": stats.deleted - committed.get("deleted", 0),
+            "skipped": stats.skipped_missing_parent - committed.get("skipped", 0),
             "unchanged": stats.unchanged,
             "excluded": int(done_slice.result.detail.get("excluded", 0)),
             "deferred": done_slice.result.deferred,
@@ -157,12 +178,18 @@ def run_sliced(
             "write_seconds": done_slice.result.write_seconds,
             "lock_seconds": done_slice.result.lock_seconds,
         }
+        if done_slice.flow is not None:
+            # the marks the slice's S0 covers: only at the run's end (below),
+            # when no other slice of the run, whose S0 may be older, is under way
+            prune = done_slice.flow
         done, total = runs.done(run.id, pieces, done_slice.staged.rows, seconds, sums)
         mine += 1
         rows_mine += done_slice.staged.rows
         written += stats.inserted + stats.updated + stats.deleted
         ctx.report("slice-rows", written, None)
         if done >= total:
+            if prune is not None:
+                prune.prune()
             ctx.report("slices", done, total)
             return _finished(runs, run.id, target, plan, report, mine)
         count = _next_count(count, seconds, job.slice_target, done_slice, job.chunk_rows)
@@ -170,11 +197,33 @@ def run_sliced(
         ctx.report("slices", done, total)  # committed
 
 
-class _Done:
-    __slots__ = ("compute_seconds", "result", "staged")
+def _between(
+    runs: Runs, run_id: int, pieces: list[Piece], committed: dict[str, int], stats: DiffStats
+) -> None:
+    """Before a commit inside a slice: its pieces kept its own (the first
+    time), and the rows its chunks wrote since the last one added to the run
+    (``stats``: the slice's so far; ``committed``: what is added already),
+    so that a slice failing later leaves the run's sums true."""
+    if not committed:
+        runs.hold(run_id, pieces)
+    now = {
+        "inserted": stats.inserted,
+        "updated": stats.updated,
+        "deleted": stats.deleted,
+        "skipped": stats.skipped_missing_parent,
+    }
+    runs.add(run_id, {k: v - committed.get(k, 0) for k, v in now.items()})
+    committed.update(now)
 
-    def __init__(self, staged: Staged, result: WriteResult, compute_seconds: float) -> None:
+
+class _Done:
+    __slots__ = ("compute_seconds", "flow", "result", "staged")
+
+    def __init__(
+        self, staged: Staged, result: WriteResult, compute_seconds: float, flow: _Flow | None
+    ) -> None:
         self.staged, self.result, self.compute_seconds = staged, result, compute_seconds
+        self.flow = flow
 
 
 def _slice(
@@ -186,20 +235,29 @@ def _slice(
     compute: SliceCompute,
     how: KeyRange,
     write_lock: str,
+    *,
+    between: Callable[[DiffStats], None],
 ) -> _Done:
-    """One slice, in the caller's transaction: its snapshot (with flow, S0),
-    the new rows of its keys, the scoped diff and its writes."""
+    """One slice: its snapshot (with flow, S0), the new rows of its keys and
+    the scoped diff, in the caller's transaction; then the writes, in
+    chunks of about :data:`WRITE_ROWS` rows, each under the group's write
+    lock to its commit (``ctx.checkpoint``), the last one left open for the
+    caller's commit. ``between`` is called before each of those commits
+    with what the slice wrote so far (:func:`_between`). Without flow but with queue workers of the
+    target, one transaction and the write lock from its start: a worker's
+    write between the compute and the writes would be overwritten."""
+    checkpoint = ctx.checkpoint
+    assert checkpoint is not None
     flow = None
+    chunked = plan.flows or plan.state == "no workers"
     if plan.flows:
         flow = _Flow.start(conn, job, ctx, target, plan)
         # the records no recompute will read again (as an unsliced run does)
         ctx.before_commit.append(prune_query(ctx.schema, target.label))
-    elif plan.state != "no workers":
-        # without flow a worker's write between the compute and the writes
-        # would be overwritten: the write lock from the slice's start
+    elif not chunked:
         later(conn, WAIT_XACT_SQL, (write_lock,))
     started = time.perf_counter()
-    staged, _ = compute.stage(conn, how)
+    staged, _ = compute.stage(conn, how, preserve=chunked)
     check_coverage(target, staged.columns, job.columns, "the new rows")
     keys = keys_table(conn, target, job.scope, staged, how)
     compute_seconds = time.perf_counter() - started
@@ -209,19 +267,23 @@ def _slice(
         rows=keys,
         target_filter=target_range(job.scope, how),
     )
-    with DiffWriter(conn, target, staged, scope=scope) as writer:
-        for chunk in writer.chunks:
+    rows = min(WRITE_ROWS, job.chunk_rows) if chunked else None
+    with DiffWriter(conn, target, staged, scope=scope, chunk_rows=rows) as writer:
+        for n, chunk in enumerate(writer.chunks):
+            if n:
+                between(writer.totals.written.stats)
+                checkpoint()  # the chunk so far, and the write lock given back
             if flow is not None:
                 flow.exclude(writer, chunk)
-            elif plan.state == "no workers":
+            elif chunked:
                 # no queue worker of the target is known: the write lock
                 # only for the writes (another job of the group may hold it)
                 send(conn, (WAIT_XACT_SQL, (write_lock,)))
             writer.write_chunk(chunk)
-        if flow is not None:
-            flow.prune()
         result = writer.finish()
-    return _Done(staged, result, compute_seconds)
+    if chunked:
+        later(conn, sql.SQL("drop table if exists {}").format(staged.table))
+    return _Done(staged, result, compute_seconds, flow)
 
 
 def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
