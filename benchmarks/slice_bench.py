@@ -126,6 +126,12 @@ def child(args: Any) -> None:
 
     if args.trace:
         trace(args.trace)
+    if args.set:
+        from pgjobs.slices import body
+
+        for setting in args.set.split(";"):
+            name, _, value = setting.partition("=")
+            setattr(body, name, type(getattr(body, name))(value))
 
     url = with_db(args.dsn, DB, APP).replace("postgresql://", "postgresql+psycopg://", 1)
     started = time.perf_counter()
@@ -159,6 +165,10 @@ def child(args: Any) -> None:
 def spawn(
     args: Any, mode: str, *, retry_busy: bool = False, trace_to: str = ""
 ) -> subprocess.Popen[str]:
+    # "sliced@WRITE_ROWS=200": a sliced run with that constant of
+    # pgjobs.slices.body (';' between several), to compare
+    mode, _, settings = mode.partition("@")
+    settings = settings or args.set
     return subprocess.Popen(
         [
             sys.executable,
@@ -173,6 +183,7 @@ def spawn(
             args.slice_seconds,
             *(["--retry-busy"] if retry_busy else []),
             *(["--trace", trace_to] if trace_to else []),
+            *(["--set", settings] if settings else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -391,9 +402,9 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
         except subprocess.TimeoutExpired:
             runner.kill()
             runner.wait(10)
-    for mode in ("sliced", "whole", "apart"):
-        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(mode)]
-        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith("none")]
+    for mode in dict.fromkeys(m for m in modes if m != "none"):
+        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": " + mode)]
+        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": none")]
         if mine and none:
             ratio = statistics.median(mine) / statistics.median(none)
             print(f"queue lag p95, recompute {mode} / none: {ratio:.2f}x (medians over rounds)")
@@ -628,10 +639,16 @@ def main() -> int:
         "--queue-modes",
         default="none,sliced,whole",
         help="beside the queue, in rotation: none, sliced, whole, apart (sliced in a group"
-        " of its own: the machine's load without the group's lock)",
+        " of its own: the machine's load without the group's lock), sliced@NAME=VALUE",
     )
     parser.add_argument("--retry-busy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--set",
+        default="",
+        help="constants of pgjobs.slices.body for the sliced runs, e.g. WRITE_ROWS=200"
+        " (';' between several); a mode sliced@NAME=VALUE beside the queue sets them for it",
+    )
     args = parser.parse_args()
     if not args.dsn:
         parser.error("give --dsn or set PGJOBS_TEST_DSN")

@@ -31,7 +31,7 @@ from ..diff import DiffWriter, Scope, WriteResult
 from ..errors import ConfigError
 from ..flow import FlowPlan, WorkersChanged, prune_query
 from ..jobs import Locks, RecomputeJob, RunContext
-from ..locking import WAIT_XACT_SQL, lock_name, recompute_lock_name
+from ..locking import TRY_XACT_SQL, WAIT_XACT_SQL, lock_name, recompute_lock_name
 from ..recompute import Prepared, RecomputeBody, _Flow, run_recompute
 from ..results import DiffStats, Execution
 from ..scoping import KeyRange, range_condition
@@ -56,6 +56,12 @@ CRON_FRESH = timedelta(days=1)
 #: workers of the group get in between two of them (a slice's whole write,
 #: 40-260 ms here, made their keys wait as long: ``docs/slices.md``)
 WRITE_ROWS = 500
+#: before each write, how long a slice lets the group's queue workers go
+#: first: it tries the write lock every millisecond for up to this long (a
+#: try is not queued, so a worker's next tick does not wait behind it; a
+#: waiting request would hold it back for one whole write), then waits in
+#: line (and the workers step aside for it)
+WRITE_YIELD = 0.02
 
 _told_pooled: set[str] = set()
 
@@ -273,17 +279,33 @@ def _slice(
             if n:
                 between(writer.totals.written.stats)
                 checkpoint()  # the chunk so far, and the write lock given back
+            if chunked:
+                # the write lock for this write (with flow, its exclusion
+                # takes it again: granted at once); no queue worker of the
+                # target is known otherwise, and another job of the group
+                # may hold it
+                write_lock_now(conn, write_lock)
             if flow is not None:
                 flow.exclude(writer, chunk)
-            elif chunked:
-                # no queue worker of the target is known: the write lock
-                # only for the writes (another job of the group may hold it)
-                send(conn, (WAIT_XACT_SQL, (write_lock,)))
             writer.write_chunk(chunk)
         result = writer.finish()
     if chunked:
         later(conn, sql.SQL("drop table if exists {}").format(staged.table))
     return _Done(staged, result, compute_seconds, flow)
+
+
+def write_lock_now(conn: Connection, write_lock: str) -> None:
+    """The group's write lock, exclusively, to the transaction's end: tried
+    for up to :data:`WRITE_YIELD`, then waited for (under ``lock_timeout``)."""
+    deadline = time.monotonic() + WRITE_YIELD
+    while True:
+        (tried,) = send(conn, (TRY_XACT_SQL, (write_lock,)))
+        if tried.scalar():
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)
+    send(conn, (WAIT_XACT_SQL, (write_lock,)))
 
 
 def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
@@ -376,4 +398,5 @@ __all__ = [
     "keys_table",
     "run_sliced",
     "target_range",
+    "write_lock_now",
 ]
