@@ -59,7 +59,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DB = "pgjobs_slice_bench"
-APP = "pgjobs_slice_bench_job"
+# not "pgjobs...": a tick renames a session whose name is pgjobs' own
+# (pgjobs.database.names_itself), and the sampler would then find none
+APP = "slice_bench_job"
 DERIVE = (
     "select p.id as parent_id, g as n, md5(p.v::text || '/' || g) as h"
     " from parent p cross join generate_series(1, {per}) g"
@@ -99,6 +101,7 @@ def trace(path: str) -> None:
     and each commit of the tick ends, appended to ``path`` as JSON lines."""
     from pgjobs import steps
     from pgjobs.diff import DiffWriter
+    from pgjobs.slices.progress import Runs
 
     out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
 
@@ -115,6 +118,14 @@ def trace(path: str) -> None:
 
         setattr(owner, name, traced)
 
+    claim = Runs.claim
+
+    def claimed(self: Any, run_id: int, count: int) -> Any:
+        pieces = claim(self, run_id, count)
+        out.write(json.dumps({"e": "claim", "t": time.time(), "n": len(pieces)}) + "\n")
+        return pieces
+
+    Runs.claim = claimed  # type: ignore[method-assign]
     wrap(DiffWriter, "write_chunk", "write", False)
     wrap(DiffWriter, "write_chunk", "written", True)
     wrap(steps.Tick, "_checkpoint", "commit", True)

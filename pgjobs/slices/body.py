@@ -56,6 +56,9 @@ CRON_FRESH = timedelta(days=1)
 #: workers of the group get in between two of them (a slice's whole write,
 #: 40-260 ms here, made their keys wait as long: ``docs/slices.md``)
 WRITE_ROWS = 500
+#: with several processes, a slice takes at most this share of the pieces
+#: left per process (1 / (SHARE * processes); 0: no bound)
+SHARE = 2
 #: before each write, how long a slice lets the group's queue workers go
 #: first: it tries the write lock every millisecond for up to this long (a
 #: try is not queued, so a worker's next tick does not wait behind it; a
@@ -199,6 +202,10 @@ def run_sliced(
             ctx.report("slices", done, total)
             return _finished(runs, run.id, target, plan, report, mine)
         count = _next_count(count, seconds, job.slice_target, done_slice, job.chunk_rows)
+        if SHARE and runs.processes > 1:
+            # shared: slices shrink towards the run's end, so that the
+            # processes end together, not one alone for a whole slice
+            count = max(1, min(count, (total - done) // (SHARE * runs.processes)))
         ctx.checkpoint()
         ctx.report("slices", done, total)  # committed
 

@@ -79,6 +79,9 @@ class Runs:
         self.slices = sql.Identifier(schema, "slice")
         #: the group's recompute lock, which the run's ticks hold (join_or_start)
         self.lock = ""
+        #: the server sessions working on the run as the last slice ended
+        #: (those holding the recompute lock; :meth:`done`)
+        self.processes = 1
 
     def join_or_start(
         self, source: KeySource, scope: tuple[str, ...], fresh_for: timedelta, lock: str
@@ -274,7 +277,8 @@ class Runs:
         (:data:`SUMS`) to the run: queued for the slice's commit's round
         trip but the run's row, whose update (the last statement before the
         commit: it holds that row until then, serializing the slices' ends)
-        says how many pieces are done of how many."""
+        says how many pieces are done of how many, and how many sessions
+        hold the recompute lock (:attr:`processes`)."""
         later(
             self.conn,
             sql.SQL(
@@ -299,13 +303,24 @@ class Runs:
                 sql.SQL(
                     "update {} set done = done + %s, slices = slices + 1,"
                     " touched_at = clock_timestamp(), {} where job = %s and id = %s"
-                    " returning done, pieces"
+                    " returning done, pieces, (select count(distinct pid) from pg_locks"
+                    "  where locktype = 'advisory' and objsubid = 1 and granted"
+                    "  and classid = ((hashtextextended(%s, 0) >> 32) & 4294967295)::oid"
+                    "  and objid = (hashtextextended(%s, 0) & 4294967295)::oid)"
                 ).format(self.runs, adds),
-                (len(pieces), *(sums.get(name, 0) for name in SUMS), self.job, run_id),
+                (
+                    len(pieces),
+                    *(sums.get(name, 0) for name in SUMS),
+                    self.job,
+                    run_id,
+                    self.lock,
+                    self.lock,
+                ),
             ),
         )
         row = counted.one()
         assert row is not None
+        self.processes = max(1, int(row[2] or 0))
         return int(row[0]), int(row[1])
 
     def finish(self, run_id: int) -> dict[str, Any]:
