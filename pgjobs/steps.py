@@ -337,9 +337,11 @@ class Tick:
             if execution.idle:
                 self.trans.rollback()
                 return self._finish(Outcome.IDLE)
-            if execution.busy:  # a recompute with flow gave up (pgjobs.flow)
+            if execution.busy:  # a recompute with flow gave up (pgjobs.flow), or joined
                 self.trans.rollback()
-                return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
+                return self._finish(
+                    Outcome.BUSY, retry_after=self._busy_retry(), detail=dict(execution.detail)
+                )
             result = self._commit(execution)
         except Exception as exc:
             return self._fail_locked(exc)

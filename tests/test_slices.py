@@ -15,6 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import pgjobs
+import pgjobs.logs
+import pgjobs.slices.body
 import pgjobs.slices.progress
 from pgjobs import ConfigError, RecomputeJob, Runner
 from pgjobs.config import load_config
@@ -404,6 +406,69 @@ def test_two_processes_share_a_run_no_piece_done_twice_none_skipped(db, monkeypa
     assert done_by["A"] and done_by["B"]
     assert ran.processes == ["A", "B"]
     assert ran.stats.inserted == 3 * 12000
+    assert wrong_rows(db) == (0, 0)
+    assert progress_rows(db) == 0
+    # the other tick says that it joined, and what it did
+    joined = b.result() if ran is a.result() else a.result()
+    assert joined.detail["sliced"]["joined"] and joined.detail["sliced"]["slices_here"] >= 1
+    assert "joined its sliced run" in pgjobs.logs.quiet_line(joined)
+
+
+def test_a_slice_written_in_several_commits_keeps_its_pieces_from_another_process(db, monkeypatch):
+    """A slice whose difference is larger than WRITE_ROWS writes it in
+    several transactions (the group's write lock to each commit). Between
+    two of them another process's tick takes none of its pieces: it does
+    the others and ends ``busy``; the slice ends, the run is exact, no piece
+    done twice."""
+    monkeypatch.setattr(pgjobs.slices.body, "WRITE_ROWS", 300)  # 100 parents a write
+    done_by: dict[str, list[int]] = {}
+    original_done = pgjobs.slices.progress.Runs.done
+    lock = threading.Lock()
+
+    def spy(self, run_id, pieces, rows, seconds, sums):
+        with lock:
+            done_by.setdefault(self.worker, []).extend(p.n for p in pieces)
+        return original_done(self, run_id, pieces, rows, seconds, sums)
+
+    monkeypatch.setattr(pgjobs.slices.progress.Runs, "done", spy)
+    original_lock = pgjobs.slices.body.write_lock_now
+    who = threading.local()
+    a_between, b_done = threading.Event(), threading.Event()
+    writes = {"A": 0}
+
+    def write_lock(conn, name):  # type: ignore[no-untyped-def]
+        if getattr(who, "name", "") == "A":
+            writes["A"] += 1
+            if writes["A"] == 2:  # A's first write is committed, its pieces held
+                a_between.set()
+                assert b_done.wait(WAIT)
+        return original_lock(conn, name)
+
+    monkeypatch.setattr(pgjobs.slices.body, "write_lock_now", write_lock)
+    shared = job(slice_seconds="10m")
+
+    def tick(name: str, after: threading.Event | None) -> pgjobs.RunResult:
+        who.name = name
+        if after is not None:
+            assert after.wait(WAIT)
+        try:
+            with Runner(db, worker=name) as runner:
+                return runner.tick(shared, force=True)
+        finally:
+            if name == "B":
+                b_done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(tick, "A", None)
+        b = pool.submit(tick, "B", a_between)
+        ran, other = a.result(WAIT), b.result(WAIT)
+    assert ran.outcome == "ran", ran.error
+    assert other.outcome == "busy" and other.detail["sliced"]["joined"], other
+    assert writes["A"] >= 3  # A's first slice: 3,000 rows, about 300 a write
+    every = sorted(done_by["A"] + done_by["B"])
+    assert every == list(range(ran.detail["sliced"]["pieces"]))  # none twice, none skipped
+    assert done_by["A"] and done_by["B"]
+    assert ran.stats.inserted == 3 * PARENTS
     assert wrong_rows(db) == (0, 0)
     assert progress_rows(db) == 0
 

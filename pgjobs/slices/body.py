@@ -155,10 +155,16 @@ def run_sliced(
         if not pieces:
             # the pieces left are other processes' slices under way: theirs
             # is the run's end, and its record
-            return Execution(
-                busy=True,
-                detail={"sliced": "joined", "slices_here": mine, "rows_here": rows_mine},
-            )
+            if mine:
+                log.info(
+                    "pgjobs: %s: joined its sliced run: %d slice(s) and %d new row(s) here;"
+                    " the process doing the last one records the run",
+                    job.name,
+                    mine,
+                    rows_mine,
+                )
+            joined = {"joined": True, "slices_here": mine, "rows_here": rows_mine}
+            return Execution(busy=True, detail={"sliced": joined})
         how = KeyRange(low=pieces[0].low, high=pieces[-1].high)
         committed: dict[str, int] = {}  # what the slice's chunks added to the run
         done_slice = _slice(
