@@ -147,7 +147,6 @@ def run_sliced(
     plan = prepared.plan
     write_lock = lock_name(ctx.namespace, job.group or job.name)
     count, mine, rows_mine, written = 1, 0, 0, 0
-    prune: _Flow | None = None
     ctx.report("slices", run.done, run.pieces)
     while True:
         started = time.perf_counter()
@@ -193,18 +192,17 @@ def run_sliced(
             "write_seconds": done_slice.result.write_seconds,
             "lock_seconds": done_slice.result.lock_seconds,
         }
-        if done_slice.flow is not None:
-            # the marks the slice's S0 covers: only at the run's end (below),
-            # when no other slice of the run, whose S0 may be older, is under way
-            prune = done_slice.flow
         done, total = runs.done(run.id, pieces, done_slice.staged.rows, seconds, sums)
+        if done_slice.flow is not None and (done >= total or runs.processes == 1):
+            # The marks the slice's S0 covers, with its commit: only when no
+            # other slice of the run, whose S0 may be older and need them, is
+            # under way (a slice that starts later takes a later S0)
+            done_slice.flow.prune()
         mine += 1
         rows_mine += done_slice.staged.rows
         written += stats.inserted + stats.updated + stats.deleted
         ctx.report("slice-rows", written, None)
         if done >= total:
-            if prune is not None:
-                prune.prune()
             ctx.report("slices", done, total)
             return _finished(runs, run.id, target, plan, report, mine)
         count = _next_count(count, seconds, job.slice_target, done_slice, job.chunk_rows)
