@@ -234,13 +234,18 @@ def _between(
 
 
 class _Done:
-    __slots__ = ("compute_seconds", "flow", "result", "staged")
+    __slots__ = ("chunked", "compute_seconds", "flow", "result", "staged")
 
     def __init__(
-        self, staged: Staged, result: WriteResult, compute_seconds: float, flow: _Flow | None
+        self,
+        staged: Staged,
+        result: WriteResult,
+        compute_seconds: float,
+        flow: _Flow | None,
+        chunked: bool,
     ) -> None:
         self.staged, self.result, self.compute_seconds = staged, result, compute_seconds
-        self.flow = flow
+        self.flow, self.chunked = flow, chunked
 
 
 def _slice(
@@ -302,7 +307,7 @@ def _slice(
         result = writer.finish()
     if chunked:
         later(conn, sql.SQL("drop table if exists {}").format(staged.table))
-    return _Done(staged, result, compute_seconds, flow)
+    return _Done(staged, result, compute_seconds, flow, chunked)
 
 
 def write_lock_now(conn: Connection, write_lock: str) -> None:
@@ -346,13 +351,15 @@ def keys_table(
 
 def _next_count(count: int, seconds: float, target: float, done: _Done, chunk_rows: int) -> int:
     """The next slice's pieces: about ``target`` seconds at this slice's pace,
-    within a factor :data:`GROWTH` of this one; and no larger than makes a
-    difference of about ``chunk_rows`` rows (the chunk bound of an unsliced
-    run: how long a user's delete may wait for a slice's row locks)."""
+    within a factor :data:`GROWTH` of this one; and, for a slice written in
+    one transaction, no larger than makes a difference of about
+    ``chunk_rows`` rows (the chunk bound of an unsliced run: how long a
+    user's delete may wait for a slice's row locks). A slice written in
+    chunks has that bound chunk by chunk."""
     pace = target / max(seconds, 1e-3)
     wanted = count * min(GROWTH, max(1 / GROWTH, pace))
     planned = sum(done.result.detail.get("planned", {}).values())
-    if planned > chunk_rows:
+    if not done.chunked and planned > chunk_rows:
         wanted = min(wanted, count * chunk_rows / planned)
     return max(1, min(MAX_PIECES, int(wanted)))
 
