@@ -632,6 +632,62 @@ def test_flow_a_key_a_worker_rewrote_after_the_slice_computed_it_is_left_to_the_
     assert wrong_rows(db) == (0, 0)
 
 
+def test_flow_a_key_a_worker_rewrote_between_two_writes_of_a_slice_is_left_to_it(db, monkeypatch):
+    """R2 for a slice written in several transactions: the slice computed X
+    from the old sources; after its first write committed (the write lock
+    given back), a user changes X and the worker rewrites it; the slice's
+    write that holds X leaves it out (its exclusion, computed under the
+    lock with the slice's S0), and the target ends exact."""
+    x = 507  # drifted below, in the third write of the first slice
+    armed, paused, rewritten = threading.Event(), threading.Event(), threading.Event()
+    writes = {"n": 0}
+    original_lock = pgjobs.slices.body.write_lock_now
+
+    def write_lock(conn, name):  # type: ignore[no-untyped-def]
+        if armed.is_set():
+            writes["n"] += 1
+            if writes["n"] == 2:  # the first write is committed
+                paused.set()
+                assert rewritten.wait(WAIT)
+        return original_lock(conn, name)
+
+    monkeypatch.setattr(pgjobs.slices.body, "write_lock_now", write_lock)
+    worker = pgjobs.QueueJob(
+        name="worker",
+        group="derived",
+        target="derived",
+        scope="parent_id",
+        compute=DERIVE + " where p.id = any(:keys)",
+        every="1h",
+    )
+    sliced = job(group="derived", slice_seconds="10m", worker_scope=("parent_id",))
+    assert pgjobs.run_once(sliced, db, force=True).outcome == "ran"
+    with db.begin() as conn:
+        conn.execute(text("update parent set v = v + 1 where id % 100 = 7"))  # drift to repair
+    monkeypatch.setattr(pgjobs.slices.body, "WRITE_ROWS", 6)  # 2 parents a write
+    armed.set()
+
+    def user_and_worker() -> None:
+        assert paused.wait(WAIT)
+        with db.begin() as conn:
+            conn.execute(text("update parent set v = v + 1000 where id = :x"), {"x": x})
+            pgjobs.enqueue(conn, worker, [x])
+        result = pgjobs.run_once(worker, db, force=True)
+        assert result.outcome == "ran" and result.items == 1
+        rewritten.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(user_and_worker)
+        result = pgjobs.run_once(sliced, db, force=True)
+        done.result(WAIT)
+    assert result.outcome == "ran", result.error
+    assert result.detail["flow"] == "on"
+    assert writes["n"] >= 3
+    assert result.detail["excluded"] == 3  # X's three rows: the worker's
+    assert result.stats.updated == 3 * (30 - 1)  # the drift, but X
+    assert wrong_rows(db) == (0, 0)
+
+
 @pytest.mark.parametrize("exact", [True, False], ids=["read whole", "sampled"])
 def test_the_cut_gives_pieces_in_key_order_of_about_equal_size(db, monkeypatch, exact):
     from psycopg import sql as psql
