@@ -7,11 +7,13 @@ then takes slices until none is free: each claims the next free pieces
 (:mod:`.compute`), diffs them against the target's rows of the same keys
 (a scoped diff: the keys of the new rows and of the target's rows in the
 range, so vanished keys are deleted) and writes them with the diff writer's
-guarantees, flow's exclusion included, then marks the pieces done, in one
-commit (``ctx.checkpoint``). The slice that does the run's last piece
+guarantees, flow's exclusion included, in chunks of about
+:data:`WRITE_ROWS` rows, each its own transaction under the group's write
+lock (``ctx.checkpoint``: the group's queue workers get in between), the
+last one marking the pieces done. The slice that does the run's last piece
 records the run with the sums of every slice; a tick that finds the rest
-taken by other processes ends ``busy``. The reasons: ``docs/DESIGN.md``,
-"Slices".
+taken by other processes ends ``busy``, saying that it joined. The
+reasons: ``docs/DESIGN.md``, "Slices"; the figures: ``docs/slices.md``.
 """
 
 from __future__ import annotations
@@ -265,9 +267,10 @@ def _slice(
     chunks of about :data:`WRITE_ROWS` rows, each under the group's write
     lock to its commit (``ctx.checkpoint``), the last one left open for the
     caller's commit. ``between`` is called before each of those commits
-    with what the slice wrote so far (:func:`_between`). Without flow but with queue workers of the
-    target, one transaction and the write lock from its start: a worker's
-    write between the compute and the writes would be overwritten."""
+    with what the slice wrote so far (:func:`_between`). Without flow but
+    with queue workers of the target, one transaction and the write lock
+    from its start: a worker's write between the compute and the writes
+    would be overwritten."""
     checkpoint = ctx.checkpoint
     assert checkpoint is not None
     flow = None
