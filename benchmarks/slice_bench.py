@@ -59,7 +59,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DB = "pgjobs_slice_bench"
-APP = "pgjobs_slice_bench_job"
+# not "pgjobs...": a tick renames a session whose name is pgjobs' own
+# (pgjobs.database.names_itself), and the sampler would then find none
+APP = "slice_bench_job"
 DERIVE = (
     "select p.id as parent_id, g as n, md5(p.v::text || '/' || g) as h"
     " from parent p cross join generate_series(1, {per}) g"
@@ -77,7 +79,10 @@ def job(args: Any, sliced: bool) -> Any:
 
     return pgjobs.RecomputeJob(
         name="bench_sliced" if sliced else "bench_whole",
-        group="bench",
+        # "apart": the same sliced run in a group of its own, which never
+        # holds the queue's write lock: what the queue beside it feels of
+        # the machine's load alone
+        group="bench_apart" if args.mode == "apart" else "bench",
         target="derived",
         compute=DERIVE.format(per=args.per),
         scope=("parent_id",),
@@ -89,18 +94,65 @@ def job(args: Any, sliced: bool) -> Any:
 
 
 # -- the child: one tick ----------------------------------------------------------------
+def trace(path: str) -> None:
+    """Where a slice's write phase holds the group's write lock: the time
+    (``time.time()``, the users' clock) each write pass starts (its lock
+    granted, or about to be: the lock is waited for in the same round trip)
+    and each commit of the tick ends, appended to ``path`` as JSON lines."""
+    from pgjobs import steps
+    from pgjobs.diff import DiffWriter
+    from pgjobs.slices.progress import Runs
+
+    out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+
+    def wrap(owner: Any, name: str, event: str, at_end: bool) -> None:
+        inner = getattr(owner, name)
+
+        def traced(*a: Any, **k: Any) -> Any:
+            if not at_end:
+                out.write(json.dumps({"e": event, "t": time.time()}) + "\n")
+            value = inner(*a, **k)
+            if at_end:
+                out.write(json.dumps({"e": event, "t": time.time()}) + "\n")
+            return value
+
+        setattr(owner, name, traced)
+
+    claim = Runs.claim
+
+    def claimed(self: Any, run_id: int, count: int) -> Any:
+        pieces = claim(self, run_id, count)
+        out.write(json.dumps({"e": "claim", "t": time.time(), "n": len(pieces)}) + "\n")
+        return pieces
+
+    Runs.claim = claimed  # type: ignore[method-assign]
+    wrap(DiffWriter, "write_chunk", "write", False)
+    wrap(DiffWriter, "write_chunk", "written", True)
+    wrap(steps.Tick, "_checkpoint", "commit", True)
+    wrap(steps.Tick, "_commit", "commit", True)
+
+
 def child(args: Any) -> None:
     import pgjobs
 
+    if args.trace:
+        trace(args.trace)
+    if args.set:
+        from pgjobs.slices import body
+
+        for setting in args.set.split(";"):
+            name, _, value = setting.partition("=")
+            setattr(body, name, type(getattr(body, name))(value))
+
     url = with_db(args.dsn, DB, APP).replace("postgresql://", "postgresql+psycopg://", 1)
     started = time.perf_counter()
-    result = pgjobs.run_once(job(args, args.mode == "sliced"), url, force=True)
+    result = pgjobs.run_once(job(args, args.mode != "whole"), url, force=True)
     # beside the queue, the group's lock is the worker's at times: a tick then
     # ends busy, and a user's next tick (as the scheduler's busy_retry) gets it
     deadline = time.monotonic() + 120
     while args.retry_busy and str(result.outcome) == "busy" and time.monotonic() < deadline:
         time.sleep(0.05)
-        result = pgjobs.run_once(job(args, args.mode == "sliced"), url, force=True)
+        result = pgjobs.run_once(job(args, args.mode != "whole"), url, force=True)
     print(
         json.dumps(
             {
@@ -121,7 +173,13 @@ def child(args: Any) -> None:
     )
 
 
-def spawn(args: Any, mode: str, *, retry_busy: bool = False) -> subprocess.Popen[str]:
+def spawn(
+    args: Any, mode: str, *, retry_busy: bool = False, trace_to: str = ""
+) -> subprocess.Popen[str]:
+    # "sliced@WRITE_ROWS=200": a sliced run with that constant of
+    # pgjobs.slices.body (';' between several), to compare
+    mode, _, settings = mode.partition("@")
+    settings = settings or args.set
     return subprocess.Popen(
         [
             sys.executable,
@@ -135,6 +193,8 @@ def spawn(args: Any, mode: str, *, retry_busy: bool = False) -> subprocess.Popen
             "--slice-seconds",
             args.slice_seconds,
             *(["--retry-busy"] if retry_busy else []),
+            *(["--trace", trace_to] if trace_to else []),
+            *(["--set", settings] if settings else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -225,6 +285,64 @@ def queue_lags(url: str, committed: dict[int, float], timeout: float = 120.0) ->
     return [1000 * (float(at) - committed[int(k)]) for k, at in rows if int(k) in committed]
 
 
+def windows(path: str) -> list[tuple[float, float, float]]:
+    """The write phases of a traced child (:func:`trace`): (start, end of the
+    writes, commit), each from a write pass to the commit after it."""
+    if not os.path.exists(path):
+        return []
+    out: list[tuple[float, float, float]] = []
+    start = written = None
+    with open(path) as f:
+        for line in f:
+            event = json.loads(line)
+            if event["e"] == "write" and start is None:
+                start = event["t"]
+            elif event["e"] == "written":
+                written = event["t"]
+            elif event["e"] == "commit" and start is not None:
+                out.append((start, written or start, event["t"]))
+                start = written = None
+    return out
+
+
+def beside_writes(
+    held: list[tuple[float, float, float]], committed: dict[int, float], url: str
+) -> dict[str, Any]:
+    """Which keys were enqueued while a slice wrote (its write lock held,
+    :func:`windows`), and their lag against the others'."""
+    import bisect
+
+    starts = [w[0] for w in held]
+    with psycopg.connect(url, autocommit=True) as conn:
+        keys = sorted(committed)
+        got = dict(
+            conn.execute(
+                "select item_id, extract(epoch from written_at)::float8 from qderived"
+                " where item_id between %s and %s",
+                [keys[0], keys[-1]],
+            ).fetchall()
+        )
+    inside: list[float] = []
+    outside: list[float] = []
+    for key, at in committed.items():
+        if key not in got:
+            continue
+        lag = 1000 * (float(got[key]) - at)
+        i = bisect.bisect_right(starts, at) - 1
+        (inside if i >= 0 and at <= held[i][2] else outside).append(lag)
+    holds = [1000 * (c - s) for s, _, c in held]
+    writes = [1000 * (w - s) for s, w, _ in held]
+    return {
+        "write_phases": len(held),
+        "write_phase_ms_p50": round(statistics.median(holds), 1),
+        "write_phase_ms_max": round(max(holds), 1),
+        "writes_ms_p50": round(statistics.median(writes), 1),
+        "keys_during_writes": len(inside),
+        "lag_p95_during_writes_ms": round(pct(inside, 0.95), 1),
+        "lag_p95_other_keys_ms": round(pct(outside, 0.95), 1),
+    }
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -254,23 +372,25 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
             time.sleep(3)
         queue_lags(url, users.committed)
         first_key, span = 1_000_000, 10_000_000
-        modes = ["none", "sliced", "whole"]
+        modes = args.queue_modes.split(",")
         for r in range(args.rounds):
-            order = modes[r % 3 :] + modes[: r % 3]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
-                print(
-                    f"queue round {r + 1}: {change(url, args.changed, 20 + 3 * r + len(rows))} parents changed"
-                )
+                if mode != "none":  # (none repairs them: the next run would find twice as many)
+                    changed = change(url, args.changed, 20 + 3 * r + len(rows))
+                    print(f"queue round {r + 1}: {changed} parents changed")
                 with Enqueuers(url, args.queue_rate, first_key) as users:
                     started = time.perf_counter()
                     if mode == "none":
                         time.sleep(args.queue_idle)
                         result: dict[str, Any] = {"outcome": "-"}
                     else:
-                        result = collect(spawn(args, mode, retry_busy=True))
+                        trace_to = os.path.join(os.path.dirname(config), f"trace-{len(rows)}")
+                        result = collect(spawn(args, mode, retry_busy=True, trace_to=trace_to))
                     wall = time.perf_counter() - started
                 first_key += span
                 lags = queue_lags(url, users.committed)
+                held = windows(trace_to) if mode != "none" else []
                 row = {
                     "run": f"queue at {args.queue_rate:g}/s, recompute: {mode}",
                     "wall_s": round(wall, 2),
@@ -282,6 +402,8 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
                     "lag_p95_ms": round(pct(lags, 0.95), 1),
                     "lag_max_ms": round(max(lags, default=float("nan")), 1),
                 }
+                if held:
+                    row.update(beside_writes(held, users.committed, url))
                 print(json.dumps(row))
                 rows.append(row)
     finally:
@@ -291,9 +413,9 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
         except subprocess.TimeoutExpired:
             runner.kill()
             runner.wait(10)
-    for mode in ("sliced", "whole"):
-        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(mode)]
-        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith("none")]
+    for mode in dict.fromkeys(m for m in modes if m != "none"):
+        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": " + mode)]
+        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": none")]
         if mine and none:
             ratio = statistics.median(mine) / statistics.median(none)
             print(f"queue lag p95, recompute {mode} / none: {ratio:.2f}x (medians over rounds)")
@@ -523,8 +645,21 @@ def main() -> int:
     parser.add_argument(
         "--queue-idle", type=float, default=15.0, help="seconds of the queue alone, a round"
     )
-    parser.add_argument("--child", choices=("sliced", "whole"), dest="mode")
+    parser.add_argument("--child", choices=("sliced", "whole", "apart"), dest="mode")
+    parser.add_argument(
+        "--queue-modes",
+        default="none,sliced,whole",
+        help="beside the queue, in rotation: none, sliced, whole, apart (sliced in a group"
+        " of its own: the machine's load without the group's lock), sliced@NAME=VALUE",
+    )
     parser.add_argument("--retry-busy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trace", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--set",
+        default="",
+        help="constants of pgjobs.slices.body for the sliced runs, e.g. WRITE_ROWS=200"
+        " (';' between several); a mode sliced@NAME=VALUE beside the queue sets them for it",
+    )
     args = parser.parse_args()
     if not args.dsn:
         parser.error("give --dsn or set PGJOBS_TEST_DSN")

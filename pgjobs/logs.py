@@ -148,6 +148,12 @@ def quiet_line(result: RunResult) -> str:
         Outcome.BACKING_OFF: f"backing off until {_when(result.next_attempt_at)}",
         Outcome.PAUSED: f"paused (pgjobs resume {result.job} resumes it)",
     }.get(result.outcome, str(result.outcome))
+    sliced = (result.detail or {}).get("sliced")
+    if result.outcome is Outcome.BUSY and isinstance(sliced, dict) and sliced.get("joined"):
+        why = (
+            f"busy (joined its sliced run: {sliced.get('slices_here', 0)} slice(s) here;"
+            " the last piece is another process's, which records the run)"
+        )
     return f"{result.job}: {why}"
 
 

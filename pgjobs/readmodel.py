@@ -187,8 +187,8 @@ def sliced_query(schema: str) -> sql.Composed:
     return sql.SQL(
         "select r.job, r.done, r.pieces, r.slices, r.inserted + r.updated + r.deleted as written,"
         " r.started_at, r.touched_at, r.resumed,"
-        " (select array_agg(distinct s.taken_by) from {s} as s where s.job = r.job"
-        "  and s.run = r.id and s.taken_by is not null) as processes"
+        " (select array_agg(distinct regexp_replace(s.taken_by, ' #[0-9]+$', '')) from {s} as s"
+        "  where s.job = r.job and s.run = r.id and s.taken_by is not null) as processes"
         " from {r} as r where (%(job)s::text is null or r.job = %(job)s)"
     ).format(r=sql.Identifier(schema, "slice_run"), s=sql.Identifier(schema, "slice"))
 

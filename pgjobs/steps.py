@@ -347,9 +347,11 @@ class Tick:
                     soon = timedelta(seconds=self.runner.deferrals.note(job.name))
                     return self._finish(Outcome.IDLE, retry_after=soon)
                 return self._finish(Outcome.IDLE)
-            if execution.busy:  # a recompute with flow gave up (pgjobs.flow)
+            if execution.busy:  # a recompute with flow gave up (pgjobs.flow), or joined
                 self.trans.rollback()
-                return self._finish(Outcome.BUSY, retry_after=self._busy_retry())
+                return self._finish(
+                    Outcome.BUSY, retry_after=self._busy_retry(), detail=dict(execution.detail)
+                )
             result = self._commit(execution)
             committed = True
         except Exception as exc:

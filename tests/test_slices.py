@@ -15,6 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import pgjobs
+import pgjobs.logs
+import pgjobs.slices.body
 import pgjobs.slices.progress
 from pgjobs import ConfigError, RecomputeJob, Runner
 from pgjobs.config import load_config
@@ -406,6 +408,69 @@ def test_two_processes_share_a_run_no_piece_done_twice_none_skipped(db, monkeypa
     assert ran.stats.inserted == 3 * 12000
     assert wrong_rows(db) == (0, 0)
     assert progress_rows(db) == 0
+    # the other tick says that it joined, and what it did
+    joined = b.result() if ran is a.result() else a.result()
+    assert joined.detail["sliced"]["joined"] and joined.detail["sliced"]["slices_here"] >= 1
+    assert "joined its sliced run" in pgjobs.logs.quiet_line(joined)
+
+
+def test_a_slice_written_in_several_commits_keeps_its_pieces_from_another_process(db, monkeypatch):
+    """A slice whose difference is larger than WRITE_ROWS writes it in
+    several transactions (the group's write lock to each commit). Between
+    two of them another process's tick takes none of its pieces: it does
+    the others and ends ``busy``; the slice ends, the run is exact, no piece
+    done twice."""
+    monkeypatch.setattr(pgjobs.slices.body, "WRITE_ROWS", 300)  # 100 parents a write
+    done_by: dict[str, list[int]] = {}
+    original_done = pgjobs.slices.progress.Runs.done
+    lock = threading.Lock()
+
+    def spy(self, run_id, pieces, rows, seconds, sums):
+        with lock:
+            done_by.setdefault(self.worker, []).extend(p.n for p in pieces)
+        return original_done(self, run_id, pieces, rows, seconds, sums)
+
+    monkeypatch.setattr(pgjobs.slices.progress.Runs, "done", spy)
+    original_lock = pgjobs.slices.body.write_lock_now
+    who = threading.local()
+    a_between, b_done = threading.Event(), threading.Event()
+    writes = {"A": 0}
+
+    def write_lock(conn, name):  # type: ignore[no-untyped-def]
+        if getattr(who, "name", "") == "A":
+            writes["A"] += 1
+            if writes["A"] == 2:  # A's first write is committed, its pieces held
+                a_between.set()
+                assert b_done.wait(WAIT)
+        return original_lock(conn, name)
+
+    monkeypatch.setattr(pgjobs.slices.body, "write_lock_now", write_lock)
+    shared = job(slice_seconds="10m")
+
+    def tick(name: str, after: threading.Event | None) -> pgjobs.RunResult:
+        who.name = name
+        if after is not None:
+            assert after.wait(WAIT)
+        try:
+            with Runner(db, worker=name) as runner:
+                return runner.tick(shared, force=True)
+        finally:
+            if name == "B":
+                b_done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(tick, "A", None)
+        b = pool.submit(tick, "B", a_between)
+        ran, other = a.result(WAIT), b.result(WAIT)
+    assert ran.outcome == "ran", ran.error
+    assert other.outcome == "busy" and other.detail["sliced"]["joined"], other
+    assert writes["A"] >= 3  # A's first slice: 3,000 rows, about 300 a write
+    every = sorted(done_by["A"] + done_by["B"])
+    assert every == list(range(ran.detail["sliced"]["pieces"]))  # none twice, none skipped
+    assert done_by["A"] and done_by["B"]
+    assert ran.stats.inserted == 3 * PARENTS
+    assert wrong_rows(db) == (0, 0)
+    assert progress_rows(db) == 0
 
 
 def test_an_unsliced_recompute_of_the_group_waits_its_turn(db):
@@ -564,6 +629,62 @@ def test_flow_a_key_a_worker_rewrote_after_the_slice_computed_it_is_left_to_the_
     assert result.detail["flow"] == "on"
     assert result.detail["excluded"] == 3  # X's three rows: the worker's
     assert result.stats.updated == 3 * 3  # the drift of parents 7, 1007, 2007
+    assert wrong_rows(db) == (0, 0)
+
+
+def test_flow_a_key_a_worker_rewrote_between_two_writes_of_a_slice_is_left_to_it(db, monkeypatch):
+    """R2 for a slice written in several transactions: the slice computed X
+    from the old sources; after its first write committed (the write lock
+    given back), a user changes X and the worker rewrites it; the slice's
+    write that holds X leaves it out (its exclusion, computed under the
+    lock with the slice's S0), and the target ends exact."""
+    x = 507  # drifted below, in the third write of the first slice
+    armed, paused, rewritten = threading.Event(), threading.Event(), threading.Event()
+    writes = {"n": 0}
+    original_lock = pgjobs.slices.body.write_lock_now
+
+    def write_lock(conn, name):  # type: ignore[no-untyped-def]
+        if armed.is_set():
+            writes["n"] += 1
+            if writes["n"] == 2:  # the first write is committed
+                paused.set()
+                assert rewritten.wait(WAIT)
+        return original_lock(conn, name)
+
+    monkeypatch.setattr(pgjobs.slices.body, "write_lock_now", write_lock)
+    worker = pgjobs.QueueJob(
+        name="worker",
+        group="derived",
+        target="derived",
+        scope="parent_id",
+        compute=DERIVE + " where p.id = any(:keys)",
+        every="1h",
+    )
+    sliced = job(group="derived", slice_seconds="10m", worker_scope=("parent_id",))
+    assert pgjobs.run_once(sliced, db, force=True).outcome == "ran"
+    with db.begin() as conn:
+        conn.execute(text("update parent set v = v + 1 where id % 100 = 7"))  # drift to repair
+    monkeypatch.setattr(pgjobs.slices.body, "WRITE_ROWS", 6)  # 2 parents a write
+    armed.set()
+
+    def user_and_worker() -> None:
+        assert paused.wait(WAIT)
+        with db.begin() as conn:
+            conn.execute(text("update parent set v = v + 1000 where id = :x"), {"x": x})
+            pgjobs.enqueue(conn, worker, [x])
+        result = pgjobs.run_once(worker, db, force=True)
+        assert result.outcome == "ran" and result.items == 1
+        rewritten.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(user_and_worker)
+        result = pgjobs.run_once(sliced, db, force=True)
+        done.result(WAIT)
+    assert result.outcome == "ran", result.error
+    assert result.detail["flow"] == "on"
+    assert writes["n"] >= 3
+    assert result.detail["excluded"] == 3  # X's three rows: the worker's
+    assert result.stats.updated == 3 * (30 - 1)  # the drift, but X
     assert wrong_rows(db) == (0, 0)
 
 

@@ -329,7 +329,8 @@ def _chunking(
             f"target {target.label}: chunked writes are not supported on a table that "
             f"references itself (a chunk could point at rows of a later one)"
         )
-    if scope is not None:
+    if scope is not None and scope.target_filter is None:
+        # a slice's (a key range) may: its keys table is read once, here
         raise ConfigError(f"{name}: a scoped diff is written in one transaction")
     return Chunks(size, by_rows=chunk_rows is not None)
 

@@ -7,18 +7,22 @@ then takes slices until none is free: each claims the next free pieces
 (:mod:`.compute`), diffs them against the target's rows of the same keys
 (a scoped diff: the keys of the new rows and of the target's rows in the
 range, so vanished keys are deleted) and writes them with the diff writer's
-guarantees, flow's exclusion included, then marks the pieces done, in one
-commit (``ctx.checkpoint``). The slice that does the run's last piece
+guarantees, flow's exclusion included, in chunks of about
+:data:`WRITE_ROWS` rows, each its own transaction under the group's write
+lock (``ctx.checkpoint``: the group's queue workers get in between), the
+last one marking the pieces done. The slice that does the run's last piece
 records the run with the sums of every slice; a tick that finds the rest
-taken by other processes ends ``busy``. The reasons: ``docs/DESIGN.md``,
-"Slices".
+taken by other processes ends ``busy``, saying that it joined. The
+reasons: ``docs/DESIGN.md``, "Slices"; the figures: ``docs/slices.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from psycopg import sql
@@ -29,7 +33,7 @@ from ..diff import DiffWriter, Scope, WriteResult
 from ..errors import ConfigError
 from ..flow import FlowPlan, WorkersChanged, prune_query
 from ..jobs import Locks, RecomputeJob, RunContext
-from ..locking import WAIT_XACT_SQL, lock_name, recompute_lock_name
+from ..locking import TRY_XACT_SQL, WAIT_XACT_SQL, lock_name, recompute_lock_name
 from ..recompute import Prepared, RecomputeBody, _Flow, run_recompute
 from ..results import DiffStats, Execution
 from ..scoping import KeyRange, range_condition
@@ -37,7 +41,7 @@ from ..staging import Staged, check_coverage
 from ..target import Target, describe, reflect_target
 from .compute import SliceCompute
 from .cut import MAX_PIECES, key_source
-from .progress import Runs
+from .progress import Piece, Runs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,21 @@ KEYS_TABLE = "pgjobs_slice_keys"
 GROWTH = 4.0
 #: a cron job's run starts over after this long without a slice (it has no interval)
 CRON_FRESH = timedelta(days=1)
+#: rows of a slice's difference written per transaction (whole parents, about
+#: this many rows; at most the job's ``chunk_rows``): the group's write lock is
+#: held for one such write and its commit, a few milliseconds, and the queue
+#: workers of the group get in between two of them (a slice's whole write,
+#: 40-260 ms here, made their keys wait as long: ``docs/slices.md``)
+WRITE_ROWS = 500
+#: with several processes, a slice takes at most this share of the pieces
+#: left per process (1 / (SHARE * processes); 0: no bound)
+SHARE = 2
+#: before each write, how long a slice lets the group's queue workers go
+#: first: it tries the write lock every millisecond for up to this long (a
+#: try is not queued, so a worker's next tick does not wait behind it; a
+#: waiting request would hold it back for one whole write), then waits in
+#: line (and the workers step aside for it)
+WRITE_YIELD = 0.02
 
 _told_pooled: set[str] = set()
 
@@ -137,19 +156,37 @@ def run_sliced(
         if not pieces:
             # the pieces left are other processes' slices under way: theirs
             # is the run's end, and its record
-            return Execution(
-                busy=True,
-                detail={"sliced": "joined", "slices_here": mine, "rows_here": rows_mine},
-            )
+            if mine:
+                log.info(
+                    "pgjobs: %s: joined its sliced run: %d slice(s) and %d new row(s) here;"
+                    " the process doing the last one records the run",
+                    job.name,
+                    mine,
+                    rows_mine,
+                )
+            joined = {"joined": True, "slices_here": mine, "rows_here": rows_mine}
+            return Execution(busy=True, detail={"sliced": joined})
         how = KeyRange(low=pieces[0].low, high=pieces[-1].high)
-        done_slice = _slice(conn, job, ctx, target, plan, compute, how, write_lock)
+        committed: dict[str, int] = {}  # what the slice's chunks added to the run
+        done_slice = _slice(
+            conn,
+            job,
+            ctx,
+            target,
+            plan,
+            compute,
+            how,
+            write_lock,
+            between=partial(_between, runs, run.id, pieces, committed),
+        )
         seconds = time.perf_counter() - started
         stats = done_slice.result.stats
         sums = {
-            "inserted": stats.inserted,
-            "updated": stats.updated,
-            "deleted": stats.deleted,
-            "skipped": stats.skipped_missing_parent,
+            # (what the slice's chunks committed before is in the run already)
+            "inserted": stats.inserted - committed.get("inserted", 0),
+            "updated": stats.updated - committed.get("updated", 0),
+            "deleted": stats.deleted - committed.get("deleted", 0),
+            "skipped": stats.skipped_missing_parent - committed.get("skipped", 0),
             "unchanged": stats.unchanged,
             "excluded": int(done_slice.result.detail.get("excluded", 0)),
             "deferred": done_slice.result.deferred,
@@ -158,6 +195,11 @@ def run_sliced(
             "lock_seconds": done_slice.result.lock_seconds,
         }
         done, total = runs.done(run.id, pieces, done_slice.staged.rows, seconds, sums)
+        if done_slice.flow is not None and (done >= total or runs.processes == 1):
+            # The marks the slice's S0 covers, with its commit: only when no
+            # other slice of the run, whose S0 may be older and need them, is
+            # under way (a slice that starts later takes a later S0)
+            done_slice.flow.prune()
         mine += 1
         rows_mine += done_slice.staged.rows
         written += stats.inserted + stats.updated + stats.deleted
@@ -166,15 +208,46 @@ def run_sliced(
             ctx.report("slices", done, total)
             return _finished(runs, run.id, target, plan, report, mine)
         count = _next_count(count, seconds, job.slice_target, done_slice, job.chunk_rows)
+        if SHARE and runs.processes > 1:
+            # shared: slices shrink towards the run's end, so that the
+            # processes end together, not one alone for a whole slice
+            count = max(1, min(count, (total - done) // (SHARE * runs.processes)))
         ctx.checkpoint()
         ctx.report("slices", done, total)  # committed
 
 
-class _Done:
-    __slots__ = ("compute_seconds", "result", "staged")
+def _between(
+    runs: Runs, run_id: int, pieces: list[Piece], committed: dict[str, int], stats: DiffStats
+) -> None:
+    """Before a commit inside a slice: its pieces kept its own (the first
+    time), and the rows its chunks wrote since the last one added to the run
+    (``stats``: the slice's so far; ``committed``: what is added already),
+    so that a slice failing later leaves the run's sums true."""
+    if not committed:
+        runs.hold(run_id, pieces)
+    now = {
+        "inserted": stats.inserted,
+        "updated": stats.updated,
+        "deleted": stats.deleted,
+        "skipped": stats.skipped_missing_parent,
+    }
+    runs.add(run_id, {k: v - committed.get(k, 0) for k, v in now.items()})
+    committed.update(now)
 
-    def __init__(self, staged: Staged, result: WriteResult, compute_seconds: float) -> None:
+
+class _Done:
+    __slots__ = ("chunked", "compute_seconds", "flow", "result", "staged")
+
+    def __init__(
+        self,
+        staged: Staged,
+        result: WriteResult,
+        compute_seconds: float,
+        flow: _Flow | None,
+        chunked: bool,
+    ) -> None:
         self.staged, self.result, self.compute_seconds = staged, result, compute_seconds
+        self.flow, self.chunked = flow, chunked
 
 
 def _slice(
@@ -186,20 +259,30 @@ def _slice(
     compute: SliceCompute,
     how: KeyRange,
     write_lock: str,
+    *,
+    between: Callable[[DiffStats], None],
 ) -> _Done:
-    """One slice, in the caller's transaction: its snapshot (with flow, S0),
-    the new rows of its keys, the scoped diff and its writes."""
+    """One slice: its snapshot (with flow, S0), the new rows of its keys and
+    the scoped diff, in the caller's transaction; then the writes, in
+    chunks of about :data:`WRITE_ROWS` rows, each under the group's write
+    lock to its commit (``ctx.checkpoint``), the last one left open for the
+    caller's commit. ``between`` is called before each of those commits
+    with what the slice wrote so far (:func:`_between`). Without flow but
+    with queue workers of the target, one transaction and the write lock
+    from its start: a worker's write between the compute and the writes
+    would be overwritten."""
+    checkpoint = ctx.checkpoint
+    assert checkpoint is not None
     flow = None
+    chunked = plan.flows or plan.state == "no workers"
     if plan.flows:
         flow = _Flow.start(conn, job, ctx, target, plan)
         # the records no recompute will read again (as an unsliced run does)
         ctx.before_commit.append(prune_query(ctx.schema, target.label))
-    elif plan.state != "no workers":
-        # without flow a worker's write between the compute and the writes
-        # would be overwritten: the write lock from the slice's start
+    elif not chunked:
         later(conn, WAIT_XACT_SQL, (write_lock,))
     started = time.perf_counter()
-    staged, _ = compute.stage(conn, how)
+    staged, _ = compute.stage(conn, how, preserve=chunked)
     check_coverage(target, staged.columns, job.columns, "the new rows")
     keys = keys_table(conn, target, job.scope, staged, how)
     compute_seconds = time.perf_counter() - started
@@ -209,19 +292,39 @@ def _slice(
         rows=keys,
         target_filter=target_range(job.scope, how),
     )
-    with DiffWriter(conn, target, staged, scope=scope) as writer:
-        for chunk in writer.chunks:
+    rows = min(WRITE_ROWS, job.chunk_rows) if chunked else None
+    with DiffWriter(conn, target, staged, scope=scope, chunk_rows=rows) as writer:
+        for n, chunk in enumerate(writer.chunks):
+            if n:
+                between(writer.totals.written.stats)
+                checkpoint()  # the chunk so far, and the write lock given back
+            if chunked:
+                # the write lock for this write (with flow, its exclusion
+                # takes it again: granted at once); no queue worker of the
+                # target is known otherwise, and another job of the group
+                # may hold it
+                write_lock_now(conn, write_lock)
             if flow is not None:
                 flow.exclude(writer, chunk)
-            elif plan.state == "no workers":
-                # no queue worker of the target is known: the write lock
-                # only for the writes (another job of the group may hold it)
-                send(conn, (WAIT_XACT_SQL, (write_lock,)))
             writer.write_chunk(chunk)
-        if flow is not None:
-            flow.prune()
         result = writer.finish()
-    return _Done(staged, result, compute_seconds)
+    if chunked:
+        later(conn, sql.SQL("drop table if exists {}").format(staged.table))
+    return _Done(staged, result, compute_seconds, flow, chunked)
+
+
+def write_lock_now(conn: Connection, write_lock: str) -> None:
+    """The group's write lock, exclusively, to the transaction's end: tried
+    for up to :data:`WRITE_YIELD`, then waited for (under ``lock_timeout``)."""
+    deadline = time.monotonic() + WRITE_YIELD
+    while True:
+        (tried,) = send(conn, (TRY_XACT_SQL, (write_lock,)))
+        if tried.scalar():
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)
+    send(conn, (WAIT_XACT_SQL, (write_lock,)))
 
 
 def target_range(scope: tuple[str, ...], how: KeyRange) -> sql.Composable:
@@ -251,13 +354,15 @@ def keys_table(
 
 def _next_count(count: int, seconds: float, target: float, done: _Done, chunk_rows: int) -> int:
     """The next slice's pieces: about ``target`` seconds at this slice's pace,
-    within a factor :data:`GROWTH` of this one; and no larger than makes a
-    difference of about ``chunk_rows`` rows (the chunk bound of an unsliced
-    run: how long a user's delete may wait for a slice's row locks)."""
+    within a factor :data:`GROWTH` of this one; and, for a slice written in
+    one transaction, no larger than makes a difference of about
+    ``chunk_rows`` rows (the chunk bound of an unsliced run: how long a
+    user's delete may wait for a slice's row locks). A slice written in
+    chunks has that bound chunk by chunk."""
     pace = target / max(seconds, 1e-3)
     wanted = count * min(GROWTH, max(1 / GROWTH, pace))
     planned = sum(done.result.detail.get("planned", {}).values())
-    if planned > chunk_rows:
+    if not done.chunked and planned > chunk_rows:
         wanted = min(wanted, count * chunk_rows / planned)
     return max(1, min(MAX_PIECES, int(wanted)))
 
@@ -314,4 +419,5 @@ __all__ = [
     "keys_table",
     "run_sliced",
     "target_range",
+    "write_lock_now",
 ]

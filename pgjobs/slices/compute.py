@@ -95,9 +95,13 @@ class SliceCompute:
         ).fetchall()
         return [tuple(r) for r in rows]
 
-    def stage(self, conn: Connection, how: KeyRange) -> tuple[Staged, int | None]:
-        """The new rows of the range's keys, staged (dropped at commit); and
-        how many keys a keyed compute was given (``None``: restricted SQL)."""
+    def stage(
+        self, conn: Connection, how: KeyRange, *, preserve: bool = False
+    ) -> tuple[Staged, int | None]:
+        """The new rows of the range's keys, staged (dropped at commit, or
+        with ``preserve`` kept until dropped: a slice written in several
+        transactions); and how many keys a keyed compute was given
+        (``None``: restricted SQL)."""
         if self.plain is not None and not self.keyed:
             restricted = restrict(self.plain, self.scope, how)
             name = temp_name("stage")
@@ -108,9 +112,10 @@ class SliceCompute:
                 restricted.statement.as_string(None),
                 restricted.params,
                 ident,
-                False,
+                preserve,
             )
-            return Staged(table=ident, name=name, columns=columns, rows=rows), None
+            staged = Staged(table=ident, name=name, columns=columns, rows=rows, preserve=preserve)
+            return staged, None
         keys = self.keys(conn, how)
         params = _keys_params(self.scope, keys)
         compute = self.job.compute
@@ -119,7 +124,7 @@ class SliceCompute:
         else:
             assert callable(compute)
             source = _call(compute, conn, keys)
-        return stage(conn, self.target, source, params=params), len(keys)
+        return stage(conn, self.target, source, params=params, preserve=preserve), len(keys)
 
 
 def _call(compute: Callable[..., Any], conn: Connection, keys: Keys) -> Any:

@@ -7,6 +7,11 @@ migration 014), written in the transactions of the run's slices.
 * :meth:`Runs.claim` takes the next free pieces (``FOR UPDATE SKIP LOCKED``:
   a piece another slice holds is skipped, never waited for), consecutive in
   key order, so that they make one range.
+* :meth:`Runs.hold` keeps them across commits, for a slice written in
+  several transactions: a mark naming the server process, which other
+  claims skip while that process holds the group's recompute lock (every
+  tick of a sliced run does, until it ends: a crash, a failure or the end
+  of its tick frees its pieces).
 * :meth:`Runs.done` marks them done and adds the slice's sums to the run,
   in the slice's own commit; the slice that does the last piece reads the
   sums (:meth:`Runs.finish`) and deletes the run's rows, in the commit that
@@ -72,6 +77,11 @@ class Runs:
         self.conn, self.job, self.group, self.worker = conn, job, group, worker
         self.runs = sql.Identifier(schema, "slice_run")
         self.slices = sql.Identifier(schema, "slice")
+        #: the group's recompute lock, which the run's ticks hold (join_or_start)
+        self.lock = ""
+        #: the server sessions working on the run as the last slice ended
+        #: (those holding the recompute lock; :meth:`done`)
+        self.processes = 1
 
     def join_or_start(
         self, source: KeySource, scope: tuple[str, ...], fresh_for: timedelta, lock: str
@@ -79,6 +89,7 @@ class Runs:
         """The job's run in progress (joined), or a new one. ``None``: another
         job of the group has a sliced run in progress (one at a time: they
         may write the same rows)."""
+        self.lock = lock
         other = execute(
             self.conn,
             sql.SQL("select job from {} where grp = %s and job <> %s limit 1").format(self.runs),
@@ -198,10 +209,15 @@ class Runs:
         rows = execute(
             self.conn,
             sql.SQL(
-                "select n, low, high from {} where job = %s and run = %s and state = 'todo'"
+                "select n, low, high from {} as s where job = %s and run = %s and state = 'todo'"
+                " and (taken_by is null or not exists (select from pg_locks"
+                "  where locktype = 'advisory' and objsubid = 1 and pid <> pg_backend_pid()"
+                "  and pid = substring(s.taken_by from ' #([0-9]+)$')::int"
+                "  and classid = ((hashtextextended(%s, 0) >> 32) & 4294967295)::oid"
+                "  and objid = (hashtextextended(%s, 0) & 4294967295)::oid))"
                 " order by n limit %s for update skip locked"
             ).format(self.slices),
-            [self.job, run_id, count],
+            [self.job, run_id, self.lock, self.lock, count],
         ).fetchall()
         out: list[Piece] = []
         for n, low, high in rows:
@@ -215,6 +231,33 @@ class Runs:
                 )
             )
         return out
+
+    def hold(self, run_id: int, pieces: list[Piece]) -> None:
+        """Keep ``pieces`` (claimed in this transaction) this slice's across
+        its commits: marked with this server process (``<worker> #<pid>``),
+        which :meth:`claim` skips while that process holds the recompute
+        lock. Queued for the next round trip (the commit's)."""
+        later(
+            self.conn,
+            sql.SQL(
+                "update {} set taken_by = %s || ' #' || pg_backend_pid()"
+                " where job = %s and run = %s and n = any(%s)"
+            ).format(self.slices),
+            (self.worker, self.job, run_id, [p.n for p in pieces]),
+        )
+
+    def add(self, run_id: int, sums: dict[str, float]) -> None:
+        """Add ``sums`` (some of :data:`SUMS`) to the run, with the next
+        round trip: what a slice's chunks committed before the slice is done."""
+        names = [name for name in SUMS if name in sums]
+        adds = sql.SQL(", ").join(
+            sql.SQL("{c} = {c} + %s").format(c=sql.Identifier(name)) for name in names
+        )
+        later(
+            self.conn,
+            sql.SQL("update {} set {} where job = %s and id = %s").format(self.runs, adds),
+            (*(sums[name] for name in names), self.job, run_id),
+        )
 
     def left(self, run_id: int) -> int:
         """Pieces not done (free or held by a slice under way)."""
@@ -234,7 +277,8 @@ class Runs:
         (:data:`SUMS`) to the run: queued for the slice's commit's round
         trip but the run's row, whose update (the last statement before the
         commit: it holds that row until then, serializing the slices' ends)
-        says how many pieces are done of how many."""
+        says how many pieces are done of how many, and how many sessions
+        hold the recompute lock (:attr:`processes`)."""
         later(
             self.conn,
             sql.SQL(
@@ -259,13 +303,24 @@ class Runs:
                 sql.SQL(
                     "update {} set done = done + %s, slices = slices + 1,"
                     " touched_at = clock_timestamp(), {} where job = %s and id = %s"
-                    " returning done, pieces"
+                    " returning done, pieces, (select count(distinct pid) from pg_locks"
+                    "  where locktype = 'advisory' and objsubid = 1 and granted"
+                    "  and classid = ((hashtextextended(%s, 0) >> 32) & 4294967295)::oid"
+                    "  and objid = (hashtextextended(%s, 0) & 4294967295)::oid)"
                 ).format(self.runs, adds),
-                (len(pieces), *(sums.get(name, 0) for name in SUMS), self.job, run_id),
+                (
+                    len(pieces),
+                    *(sums.get(name, 0) for name in SUMS),
+                    self.job,
+                    run_id,
+                    self.lock,
+                    self.lock,
+                ),
             ),
         )
         row = counted.one()
         assert row is not None
+        self.processes = max(1, int(row[2] or 0))
         return int(row[0]), int(row[1])
 
     def finish(self, run_id: int) -> dict[str, Any]:
@@ -304,8 +359,8 @@ def in_progress(conn: Connection, schema: str) -> list[dict[str, Any]]:
         sql.SQL(
             "select r.job, r.done, r.pieces, r.slices, r.inserted + r.updated + r.deleted,"
             " r.started_at, r.touched_at, r.resumed,"
-            " (select array_agg(distinct taken_by) from {s} where job = r.job and run = r.id"
-            "  and taken_by is not null)"
+            " (select array_agg(distinct regexp_replace(taken_by, ' #[0-9]+$', '')) from {s}"
+            "  where job = r.job and run = r.id and taken_by is not null)"
             " from {r} as r order by r.job"
         ).format(r=runs, s=slices),
     ).fetchall()
