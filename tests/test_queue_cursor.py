@@ -7,6 +7,8 @@ connections and transactions throughout, ordered by the test, no sleeps."""
 from __future__ import annotations
 
 import json
+import random
+import threading
 from datetime import UTC, datetime
 
 import psycopg
@@ -16,10 +18,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import pgjobs
+import pgjobs.worker.cursor
 from pgjobs.jobs import RunContext
 from pgjobs.migrations import migrate, migrations
 from pgjobs.worker import has_pending, pending_query
-from pgjobs.worker.cursor import FRESH, RECHECK_MAX, Cursor
+from pgjobs.worker.cursor import FRESH, RECHECK, RECHECK_MAX, Cursor
 from tests.test_queue import (
     SCHEMA,
     add_parents,
@@ -270,6 +273,80 @@ def test_a_revived_item_gets_a_new_number_and_is_claimed(db: Engine) -> None:
     assert queue_rows(db) == []
 
 
+def test_users_racing_a_worker_lose_no_item_without_the_full_pass(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four users change and enqueue overlapping keys (a pending entry is
+    locked, not written, by a second enqueue; one transaction in ten rolls
+    back; some enqueue first and change after) while a worker ticks, one
+    tick in four rolled back whole, with the full pass (the backstop) off:
+    when the users are done, the worker drains the queue to nothing and the
+    derived rows are exact."""
+    monkeypatch.setattr(pgjobs.worker.cursor, "FULL_PASS_SECONDS", 1e9)
+    keys = list(range(1, 61))
+    add_parents(db, keys)
+    calls = iter(range(10**9))
+
+    def after(conn, keys, stats):  # one tick in four fails whole: rolled back
+        if next(calls) % 4 == 3:
+            raise pgjobs.ConfigError("this tick fails")
+
+    job = make_job(batch_size=10, after=after)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def user(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with psycopg.connect(libpq(db)) as conn:
+                for n in range(150):
+                    chosen = sorted(rng.sample(keys, 3))
+                    try:
+                        change(conn, n, chosen)
+                    except psycopg.errors.DeadlockDetected:
+                        conn.rollback()  # users among themselves (enqueue first, or change first)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def change(conn: psycopg.Connection, n: int, chosen: list[int]) -> None:
+        enqueue = "select pgjobs.enqueue('worker', %s::jsonb)"
+        items = json.dumps([[k] for k in chosen])
+        if n % 3 == 0:  # enqueue first, change after (the entry held longer)
+            conn.execute(enqueue, (items,))
+        conn.execute("update parent set factor = factor %% 7 + 1 where id = any(%s)", (chosen,))
+        if n % 3 != 0:
+            conn.execute(enqueue, (items,))
+        if n % 10 == 9:
+            conn.rollback()
+        else:
+            conn.commit()
+
+    users = [threading.Thread(target=user, args=(seed,)) for seed in range(4)]
+    with pgjobs.Runner(db) as runner:
+
+        def work() -> None:
+            try:
+                while not done.is_set():
+                    runner.tick(job, force=True, woken=True)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        for u in users:
+            u.start()
+        for u in users:
+            u.join(120)
+        done.set()
+        worker.join(60)
+        assert not errors, errors
+        for _ in range(200):  # the rest, however many ticks it takes
+            if runner.tick(job, force=True).outcome == "idle" and not queue_rows(db):
+                break
+    assert queue_rows(db) == []
+    assert derived(db) == from_scratch(db)
+
+
 # -- the migration, with items in the queue -------------------------------------------------
 def test_migration_015_numbers_the_queued_pending_retrying_and_dead_items(db_url: str) -> None:
     engine = pgjobs.database.resolve_engine(db_url, call_timeout=10.0)[0]
@@ -383,3 +460,18 @@ def test_a_work_check_that_finds_nothing_from_the_start_is_the_full_pass() -> No
     assert not sent[2]  # not again before FULL_PASS_SECONDS
     cursor.nothing_past(sent)
     assert cursor.peek()[0] == 70
+
+
+def test_entries_to_read_again_that_a_full_batch_left_out_are_kept() -> None:
+    cursor = Cursor()
+    cursor.sample(500, [])
+    cursor.recheck = dict.fromkeys([10, 20, 30])
+    read = cursor.params()
+    read.limit, read.count = 2, 2  # a full batch: 10 and 20 came back claimed
+    read.rows = [(10, RECHECK, True), (20, RECHECK, True)]
+    cursor.advance(read)
+    assert list(cursor.recheck) == [30]  # not read: kept
+    read = cursor.params()
+    read.limit, read.count = 2, 0  # all there was: 30 is gone
+    cursor.advance(read)
+    assert not cursor.recheck

@@ -209,9 +209,13 @@ class Cursor:
             bound = self.safe if complete else min(self.safe, max(fresh, default=0))
             new_low = max(read.low, bound)
             self.low = new_low if read.full else max(self.low, new_low)
-            # what it read again: kept while not claimed, dropped when claimed or gone
+            # what it read again: kept while not claimed, dropped when claimed,
+            # or gone (not read, when it read all there was: the batch may
+            # have been full before it came to them)
+            returned = {seq for seq, _, _ in read.rows}
             for seq in read.recheck:
-                self.recheck.pop(seq, None)
+                if seq in returned or complete:
+                    self.recheck.pop(seq, None)
             for seq, path, claimed in read.rows:
                 if not claimed and path != RETRY and seq <= self.low:
                     self.recheck[seq] = None
