@@ -315,7 +315,10 @@ class Statements:
         the entry's ``q_seq`` and ``q_path``), read without a lock, from
         three places (pgjobs/worker/cursor.py): entries waiting for a retry
         whose time has come (``q_path`` 1, their own index); entries read
-        before and not taken, by their number (2, ``%(recheck)s``); then
+        before and not taken, by their number (2, ``%(recheck)s``: one probe
+        each, a join with the array, where ``seq = any(...)`` was planned,
+        in a generic plan, as a walk of the job's whole index: 20 ms after
+        100 s of a held horizon); then
         entries numbered past the cursor (0, ``%(low)s``), in number order.
 
         A job with several workers takes different items in each: of the
@@ -332,8 +335,9 @@ class Statements:
             "(select key as item, seq as q_seq, 1 as q_path, ctid as q_ctid from {q}"
             " where job = %(job)s and dead_at is null and attempts > 0 and not_before <= now()"
             " order by not_before limit %(n)s)"
-            " union all (select key, seq, 2, ctid from {q} where job = %(job)s"
-            " and dead_at is null and attempts = 0 and seq = any(%(recheck)s::bigint[]))"
+            " union all (select e.key, e.seq, 2, e.ctid from unnest(%(recheck)s::bigint[]) as r(seq),"
+            " lateral (select key, seq, ctid from {q} where job = %(job)s and seq = r.seq"
+            " and dead_at is null and attempts = 0) as e)"
             " union all (select key, seq, 0, ctid from {q} where job = %(job)s"
             " and dead_at is null and attempts = 0 and seq > %(low)s"
             " and seq <> all(%(recheck)s::bigint[]) order by seq limit {limit})) as u"
