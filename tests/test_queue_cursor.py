@@ -49,17 +49,17 @@ def db(engine: Engine) -> Engine:
     return engine
 
 
+def context(job: pgjobs.QueueJob, runner: pgjobs.Runner) -> RunContext:
+    """What a tick of ``runner`` gives ``job``'s body, its cursors included."""
+    return RunContext(
+        job=job, namespace="n", schema="pgjobs", now=datetime.now(UTC), queue_cursors=runner.cursors
+    )
+
+
 def claim_buffers(engine: Engine, runner: pgjobs.Runner, job: pgjobs.QueueJob) -> int:
     """Buffers of the queue the job's work check touches (EXPLAIN ANALYZE),
     read from where this runner's cursor is."""
-    ctx = RunContext(
-        job=job,
-        namespace="n",
-        schema="pgjobs",
-        now=datetime.now(UTC),
-        queue_cursors=runner.cursors,
-    )
-    query, params = pending_query(job, ctx)
+    query, params = pending_query(job, context(job, runner))
     with engine.connect() as conn:
         raw = conn.connection.driver_connection
         plan = raw.execute(
@@ -145,15 +145,8 @@ def test_an_entry_a_users_transaction_holds_is_claimed_after_its_commit(db: Engi
     job = make_job()
     push(db, job, [1, 2, 3])
     with pgjobs.Runner(db) as runner, psycopg.connect(libpq(db)) as user:
-        ctx = RunContext(
-            job=job,
-            namespace="n",
-            schema="pgjobs",
-            now=datetime.now(UTC),
-            queue_cursors=runner.cursors,
-        )
         with db.begin() as conn:  # a work check: nobody runs, numbers up to 3 are safe
-            assert has_pending(conn, job, ctx)
+            assert has_pending(conn, job, context(job, runner))
         cursor = runner.cursors.of("pgjobs", job.name)
         assert cursor.safe >= 3
         user.execute("update source set val = val + 100 where parent_id = 2")
