@@ -266,17 +266,26 @@ class Runner:
         """
         if self.ledger.failures_kept:
             self.flush()
-        with self.connect() as conn:
-            self._ensure(conn)
-            result = self.tick_on(
-                conn,
-                job,
-                progress=progress,
-                next_due=next_due,
-                force=force,
-                run_paused=run_paused,
-                woken=woken,
-            )
+        try:
+            with self.connect() as conn:
+                self._ensure(conn)
+                result = self.tick_on(
+                    conn,
+                    job,
+                    progress=progress,
+                    next_due=next_due,
+                    force=force,
+                    run_paused=run_paused,
+                    woken=woken,
+                )
+        except Exception:
+            # the database may be another one now (a failover: a primary
+            # whose queue numbers went back, a standby read meanwhile):
+            # every queue job reads its queue from the start again
+            self.cursors.reset()
+            raise
+        if result.outcome is Outcome.INTERRUPTED:
+            self.cursors.reset()
         if self.ledger.late_kept and result.outcome is not Outcome.INTERRUPTED:
             try:
                 self.flush()

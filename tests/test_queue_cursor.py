@@ -394,7 +394,7 @@ def test_migration_015_numbers_the_queued_pending_retrying_and_dead_items(db_url
 # -- the cursor's own bookkeeping (no database) ---------------------------------------------
 def test_past_its_bound_the_cursor_stays_below_the_entries_it_no_longer_keeps() -> None:
     cursor = Cursor()
-    cursor.sample(5000, [])  # nobody running: up to 5,000 is safe
+    cursor.sample(5000, 1.0, [])  # nobody running: up to 5,000 is safe
     read = cursor.params()
     read.limit, read.count = 100, 50  # read everything there was
     read.rows = [(n, FRESH, False) for n in range(1, RECHECK_MAX + 11)]  # none taken
@@ -406,14 +406,14 @@ def test_past_its_bound_the_cursor_stays_below_the_entries_it_no_longer_keeps() 
 
 def test_a_sequence_behind_the_cursor_resets_it_and_a_read_from_before_changes_nothing() -> None:
     cursor = Cursor()
-    cursor.sample(900, [])
+    cursor.sample(900, 1.0, [])
     read = cursor.params()
     read.limit, read.count = 100, 0
     cursor.advance(read)
     assert cursor.low == 900
     before = cursor.params()  # sent before the database was made again
     before.limit, before.count = 100, 0
-    cursor.sample(3, [])  # the sequence is at 3: another database under the name
+    cursor.sample(3, 1.0, [])  # the sequence is at 3: another database under the name
     assert cursor.low == 0
     cursor.advance(before)
     assert cursor.low == 0
@@ -421,7 +421,7 @@ def test_a_sequence_behind_the_cursor_resets_it_and_a_read_from_before_changes_n
 
 def test_what_a_tick_claimed_is_read_again_when_it_does_not_commit() -> None:
     cursor = Cursor()
-    cursor.sample(10, [])
+    cursor.sample(10, 1.0, [])
     read = cursor.params()
     read.limit, read.count = 100, 3
     read.rows = [(8, FRESH, True), (9, FRESH, True), (10, FRESH, False)]
@@ -433,13 +433,13 @@ def test_what_a_tick_claimed_is_read_again_when_it_does_not_commit() -> None:
 
 def test_a_sample_is_safe_once_none_of_its_running_xids_runs() -> None:
     cursor = Cursor()
-    cursor.sample(10, [501, 502])
+    cursor.sample(10, 1.0, [501, 502])
     assert cursor.safe == 0
-    cursor.sample(20, [502, 503])
+    cursor.sample(20, 1.0, [502, 503])
     assert cursor.safe == 0  # 502 still runs
-    cursor.sample(30, [503])
+    cursor.sample(30, 1.0, [503])
     assert cursor.safe == 10  # 501 and 502 ended: every drawer up to 10 ended
-    cursor.sample(40, [])
+    cursor.sample(40, 1.0, [])
     assert cursor.safe == 40
 
 
@@ -447,7 +447,7 @@ def test_a_work_check_that_finds_nothing_from_the_start_is_the_full_pass() -> No
     cursor = Cursor()
     low, _, sent = cursor.peek()
     assert low == 0 and sent[2]  # the first check of a process reads from the start
-    cursor.sample(70, [])
+    cursor.sample(70, 1.0, [])
     cursor.nothing_past(sent)  # nothing there
     low, _, sent = cursor.peek()
     assert not sent[2]  # not again before FULL_PASS_SECONDS
@@ -457,7 +457,7 @@ def test_a_work_check_that_finds_nothing_from_the_start_is_the_full_pass() -> No
 
 def test_entries_to_read_again_that_a_full_batch_left_out_are_kept() -> None:
     cursor = Cursor()
-    cursor.sample(500, [])
+    cursor.sample(500, 1.0, [])
     cursor.recheck = dict.fromkeys([10, 20, 30])
     read = cursor.params()
     read.limit, read.count = 2, 2  # a full batch: 10 and 20 came back claimed
@@ -468,3 +468,17 @@ def test_entries_to_read_again_that_a_full_batch_left_out_are_kept() -> None:
     read.limit, read.count = 2, 0  # all there was: 30 is gone
     cursor.advance(read)
     assert not cursor.recheck
+
+
+def test_a_sample_from_another_server_sends_the_cursor_back_to_the_start() -> None:
+    """After a failover the primary is another server: a commit this cursor
+    saw may not have reached it (asynchronous replication), and its numbers
+    may have gone back; what it passed is read again."""
+    cursor = Cursor()
+    cursor.sample(900, 1.0, [])
+    read = cursor.params()
+    read.limit, read.count = 100, 0
+    cursor.advance(read)
+    assert cursor.low == 900
+    cursor.sample(905, 2.0, [])  # the new primary
+    assert cursor.low == 0 and cursor.params().full

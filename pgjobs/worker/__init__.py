@@ -61,7 +61,7 @@ def _pending_sql(schema: str) -> sql.Composed:
     # (a Composed of one SQL: what the runner's hook takes, walked at once)
     last, running = sample_sql(schema)
     statement = sql.SQL(
-        "select coalesce(w.fresh, w.retry, %s), w.fresh is not null, l.v, {running}"
+        "select coalesce(w.fresh, w.retry, %s), w.fresh is not null, l.v, l.server, {running}"
         " from (select (select true from {q} where job = %s and dead_at is null"
         " and attempts = 0 and seq > %s order by seq limit 1) as fresh,"
         " (select true from {q} where job = %s and dead_at is null and attempts > 0"
@@ -75,11 +75,11 @@ def pending_answer(job: QueueJob, ctx: RunContext, row: Sequence[Any] | None) ->
     ``low``, every entry up to what was safe when it was sent is gone."""
     if row is None:
         return False
-    has_work, fresh, last, running = row
+    has_work, fresh, last, server, running = row
     cursor = cursor_of(ctx)
+    cursor.sample(last, server, running)
     if not fresh:
         cursor.nothing_past(ctx.extra.pop(_SAFE, (0, -1, False)))
-    cursor.sample(last, running)
     return bool(has_work)
 
 

@@ -70,7 +70,8 @@ def sample_sql(schema: str) -> tuple[sql.Composable, sql.Composable]:
     read after it."""
     numbers = sql.Identifier(schema, "queue_seq")
     last = sql.SQL(
-        "(select case when is_called then last_value else 0 end as v from {} offset 0) as l"
+        "(select case when is_called then last_value else 0 end as v,"
+        " extract(epoch from pg_postmaster_start_time())::float8 as server from {} offset 0) as l"
     ).format(numbers)
     running = sql.SQL(
         "(select array_agg(x) from (select a.backend_xid::text::bigint as x"
@@ -122,6 +123,8 @@ class Cursor:
         self._next_tick = 0
         #: how many times the cursor was reset (a read from before is ignored)
         self._generation = 0
+        #: the start of the server the last sample came from
+        self._server: float | None = None
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator, no-any-return]
@@ -162,12 +165,20 @@ class Cursor:
                 if full:
                     self._full_at = self._now() + FULL_PASS_SECONDS
 
-    def sample(self, last: int | None, running: Iterable[int] | None) -> None:
+    def sample(self, last: int | None, server: float | None, running: Iterable[int] | None) -> None:
         """What the sample sent with a claim read: the sequence's last value,
-        then the xids running (this session's own left out)."""
+        the server's start, then the xids running (this session's own left
+        out)."""
         now_running = frozenset(running or ())
         value = last or 0
         with self._lock:
+            if server != self._server:
+                # Another server than the last sample's (a failover, a restart):
+                # a commit this cursor saw may not be there (replicated
+                # asynchronously), its numbers may have gone back. From the start.
+                if self._server is not None:
+                    self._reset()
+                self._server = server
             if value < self.low or value < self.safe:
                 # the sequence is behind what this cursor has seen: another
                 # database under the same name, or the schema made again
@@ -184,6 +195,11 @@ class Cursor:
                 self.safe = max(self.safe, value)
             # the oldest kept: a long transaction keeps them all unsafe
             self._samples = still[-64:] if len(still) > 64 else still
+
+    def reset(self) -> None:
+        """Back to the start: the next claim or work check is a full pass."""
+        with self._lock:
+            self._reset()
 
     def _reset(self) -> None:
         self._generation += 1
@@ -247,6 +263,15 @@ class Cursors:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cursors: dict[tuple[str, str], Cursor] = {}
+
+    def reset(self) -> None:
+        """Every cursor back to the start (a full pass next): after a tick
+        cut off by the database going away, which may come back as another
+        server (a failover), whose numbers may have gone back."""
+        with self._lock:
+            cursors = list(self._cursors.values())
+        for cursor in cursors:
+            cursor.reset()
 
     def of(self, schema: str, job: str) -> Cursor:
         with self._lock:

@@ -142,7 +142,7 @@ class Statements:
         #: (pgjobs/worker/cursor.py): the sequence's last value, then the
         #: xids running at that moment (a subquery of that row, so read after it)
         last, running = sample_sql(schema)
-        self.sample = frozen(sql.SQL("select l.v, {} from {}").format(running, last))
+        self.sample = frozen(sql.SQL("select l.v, l.server, {} from {}").format(running, last))
 
     def _compose_writes(self, schema: str) -> None:
         """The statements of the processing and of the finish (:mod:`.tick`)."""
