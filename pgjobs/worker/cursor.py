@@ -31,6 +31,11 @@ claimed or gone: ``low`` does not wait for it. So is what a tick claimed
 when the tick does not commit (rolled back, failed, cut off), and what it
 claimed and left queued when it does (kept for a lock someone holds).
 
+When the server is another (a failover, a restart: the sample reads its
+start) or a tick was cut off by the database going away, the cursor goes
+back to the start: a commit it saw may not have reached the new primary,
+whose numbers may also be lower than some the old one handed out.
+
 Entries waiting for a retry after a failure are found apart (their own
 index, ``attempts > 0``). A long transaction *with an xid* (one that wrote,
 or a transaction prepared for two-phase commit) keeps the samples from
