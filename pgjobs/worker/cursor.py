@@ -217,8 +217,9 @@ class Cursor:
 
     def advance(self, read: Read) -> int:
         """Move on after ``read`` (a claim's rows): ``low``, ``recheck``.
-        Returns a tick token for :meth:`ended`: what it claimed keeps ``low``
-        below it until the tick ends (a rollback leaves it queued)."""
+        Returns a tick token for :meth:`ended`, which reads again by number
+        what the tick claimed if it does not commit (a rollback leaves it
+        queued), and what it left queued if it does."""
         fresh = [seq for seq, path, _ in read.rows if path == FRESH]
         complete = read.count < read.limit
         with self._lock:
