@@ -404,13 +404,19 @@ def test_past_its_bound_the_cursor_stays_below_the_entries_it_no_longer_keeps() 
     assert min(cursor.recheck) == 1 and max(cursor.recheck) == RECHECK_MAX
 
 
-def test_a_sequence_behind_the_cursor_resets_it_and_a_read_from_before_changes_nothing() -> None:
+def cursor_at(number: int) -> Cursor:
+    """A cursor past ``number``: safe up to it, and a claim that read everything."""
     cursor = Cursor()
-    cursor.sample(900, 1.0, [])
+    cursor.sample(number, 1.0, [])
     read = cursor.params()
     read.limit, read.count = 100, 0
     cursor.advance(read)
-    assert cursor.low == 900
+    assert cursor.low == number
+    return cursor
+
+
+def test_a_sequence_behind_the_cursor_resets_it_and_a_read_from_before_changes_nothing() -> None:
+    cursor = cursor_at(900)
     before = cursor.params()  # sent before the database was made again
     before.limit, before.count = 100, 0
     cursor.sample(3, 1.0, [])  # the sequence is at 3: another database under the name
@@ -474,11 +480,6 @@ def test_a_sample_from_another_server_sends_the_cursor_back_to_the_start() -> No
     """After a failover the primary is another server: a commit this cursor
     saw may not have reached it (asynchronous replication), and its numbers
     may have gone back; what it passed is read again."""
-    cursor = Cursor()
-    cursor.sample(900, 1.0, [])
-    read = cursor.params()
-    read.limit, read.count = 100, 0
-    cursor.advance(read)
-    assert cursor.low == 900
+    cursor = cursor_at(900)
     cursor.sample(905, 2.0, [])  # the new primary
     assert cursor.low == 0 and cursor.params().full

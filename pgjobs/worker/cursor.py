@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +111,7 @@ class Read:
 class Cursor:
     """One queue job's cursor in one runner (thread-safe: a job's workers share it)."""
 
-    def __init__(self, clock: object = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self.low = 0
@@ -132,7 +132,7 @@ class Cursor:
         self._server: float | None = None
 
     def _now(self) -> float:
-        return self._clock()  # type: ignore[operator, no-any-return]
+        return self._clock()
 
     def params(self) -> Read:
         """``low`` and ``recheck`` for the next claim (``low`` 0 for a full pass)."""
