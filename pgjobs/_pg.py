@@ -245,7 +245,13 @@ def _psycopg_pipeline(
         with raw.pipeline():
             try:
                 for item in todo:
-                    cursors.append(raw.execute(item.statement, item.params))  # type: ignore[arg-type]
+                    cursors.append(
+                        raw.execute(
+                            item.statement,  # type: ignore[arg-type]
+                            item.params,
+                            prepare=False if isinstance(item.statement, _wire.Replanned) else None,
+                        )
+                    )
                 if commit is not None:
                     raw.execute("commit")
             except psycopg.Error as exc:
@@ -321,6 +327,12 @@ def frozen(statement: sql.Composable) -> sql.SQL:
     """``statement`` rendered once: an ``sql.SQL`` that psycopg only encodes
     (a ``Composed`` is walked and joined again on each execution)."""
     return sql.SQL(statement.as_string(None))
+
+
+def replanned(statement: sql.Composable) -> _wire.Replanned:
+    """``statement`` rendered once, and never prepared: planned at each run
+    for its tables as they are then (:class:`pgjobs._wire.Replanned`)."""
+    return _wire.Replanned(statement.as_string(None))
 
 
 def _composable(statement: sql.Composable | str) -> sql.Composable:
@@ -488,6 +500,7 @@ __all__ = [
     "first_line",
     "flush",
     "frozen",
+    "replanned",
     "later",
     "one_statement",
     "open_transaction",

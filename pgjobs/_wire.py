@@ -84,6 +84,15 @@ _IDLE = pq.TransactionStatus.IDLE
 _TEXT = pq.Format.TEXT
 
 
+class Replanned(sql.SQL):
+    """A statement never prepared: PostgreSQL plans it at each run, for its
+    tables as they are then. For a statement whose best plan changes with a
+    table's size, where a plan kept from when the table was small turns
+    into a walk of everything a held horizon keeps in it (the queue's
+    delete by ctid: a sequential scan while the queue fits a page, a TID
+    scan after)."""
+
+
 class Result:
     """What one statement of a round trip returned: its row count and, for a
     statement that returns rows, the rows and their columns' names (read
@@ -203,7 +212,8 @@ def round_trip(
             for index, query in enumerate(queries):
                 key = (query.query, tuple(query.types))
                 name = session.prepared.get(key)
-                if name is None and threshold is not None:
+                replanned = isinstance(statements[index][0], Replanned)
+                if name is None and threshold is not None and not replanned:
                     name = _to_prepare(session, key, threshold)
                     if name is not None:
                         pgconn.send_prepare(name, query.query, param_types=query.types)

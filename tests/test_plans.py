@@ -30,7 +30,9 @@ No plan over ``queue`` or ``run`` may read the table whole (Seq Scan).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -253,6 +255,140 @@ def test_the_queue_ticks_statements_use_their_indexes(big: Engine, name: str, ta
         # key order; the claim's own rows)
         sorted_queue = [n for n in nodes(plan) if n["Node Type"] == "Sort" and _reads(n, "queue")]
         assert not sorted_queue, show([(text, plan)])
+
+
+_PLACEHOLDER = re.compile(r"%%|%\((\w+)\)s|%s")
+
+
+def generic_plan(raw: psycopg.Connection[Any], text: str, params: Any) -> dict[str, Any]:
+    """The plan PostgreSQL keeps for ``text`` once it plans it generically
+    (from a statement's sixth run, when its custom plans look no cheaper;
+    ``plan_cache_mode = force_generic_plan`` here): PREPAREd with ``$n``
+    parameters, then EXPLAIN EXECUTE with ``params`` as literals."""
+    numbers: dict[str, int] = {}
+    values: list[Any] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        name = match.group(1)
+        if name is None:  # positional
+            values.append(params[len(values)])
+            return f"${len(values)}"
+        if name not in numbers:
+            values.append(params[name])
+            numbers[name] = len(values)
+        return f"${numbers[name]}"
+
+    prepared = _PLACEHOLDER.sub(number, text)
+    with raw.transaction(force_rollback=True):
+        raw.execute("set local plan_cache_mode = force_generic_plan")
+        raw.execute(f"prepare pgjobs_generic as {prepared}")  # type: ignore[arg-type]
+        try:
+            (types,) = raw.execute(
+                "select parameter_types::text[] from pg_prepared_statements"
+                " where name = 'pgjobs_generic'"
+            ).fetchone()  # type: ignore[misc]
+            args = ", ".join(f"%s::{t}" for t in types)
+            row = (
+                psycopg.ClientCursor(raw)
+                .execute(
+                    f"explain (format json) execute pgjobs_generic({args})",  # type: ignore[arg-type]
+                    values,
+                )
+                .fetchone()
+            )
+        finally:
+            raw.execute("deallocate pgjobs_generic")
+    assert row is not None
+    return row[0][0]["Plan"]  # type: ignore[no-any-return]
+
+
+def test_the_claim_keeps_to_its_indexes_and_the_delete_is_planned_each_time(db_url: str) -> None:
+    # pgjobs prepares its statements, and from their sixth run PostgreSQL
+    # may keep one plan made without the parameters' values. On a queue
+    # whose statistics say it is nearly empty (as a queue that keeps up
+    # is), two such plans walked the job's whole index, every version a
+    # held horizon keeps in it (10 ms a tick each after 100 s of a held
+    # horizon at 800 keys/s, auto_explain in benchmarks/horizon_bench.py):
+    # the entries read again by number, planned as a walk of queue_seq_idx
+    # by ``job`` joined with the numbers, and the delete of the claimed
+    # entries, planned as a walk of the primary key by ``job`` with the
+    # ctids as a filter. The claim's read is now a probe a number whatever
+    # the plan; the delete by ctid alone is a sequential scan while the
+    # queue fits a page and a TID scan after, so it is never prepared.
+    # Here the queue as such a horizon leaves it: 20,000 entries processed
+    # while another session's snapshot is held (dead, not removable), 70
+    # waiting, vacuumed and analyzed. (The 1 M-entry queue above, its
+    # entries all live, gets the good plans anyway.)
+    pgjobs.install(db_url)
+    holder = psycopg.connect(libpq(db_url))
+    holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(holder)
+        holder.execute("select 1").fetchone()  # the snapshot, held to the end
+        _the_claim_and_the_delete_under_a_held_horizon(db_url)
+
+
+def _the_claim_and_the_delete_under_a_held_horizon(db_url: str) -> None:
+    with psycopg.connect(libpq(db_url), autocommit=True) as setup:
+        setup.execute(
+            "create table item (id int primary key, v int not null);"
+            " create table derived (id int primary key, v int not null);"
+            " insert into item select g, g from generate_series(1, 100) g"
+        )
+        pgjobs.enqueue(setup, "worker", list(range(1000, 21000)))
+        setup.execute("delete from pgjobs.queue")
+        pgjobs.enqueue(setup, "worker", list(range(1, 71)))
+        setup.execute("vacuum analyze pgjobs.queue")
+        # what the planner sees: many pages, few entries
+        (pages, entries) = setup.execute(
+            "select relpages, reltuples from pg_class where oid = 'pgjobs.queue'::regclass"
+        ).fetchone()  # type: ignore[misc]
+        assert pages >= 100 and entries < 1000, (pages, entries)
+    job = pgjobs.QueueJob(
+        name="worker",
+        target="derived",
+        scope=("id",),
+        compute="select id, v from item where id = any(:keys)",
+        every="1h",
+        batch_size=10,
+    )
+    engine = create_engine(db_url, connect_args={"cursor_factory": Recording})
+    runner = pgjobs.Runner(engine)
+    with contextlib.ExitStack() as stack:
+        stack.callback(engine.dispose)
+        conn = stack.enter_context(engine.connect())
+        runner.store.ensure(conn)
+        Recording.seen = []
+        for _ in range(7):  # past PostgreSQL's five custom plans
+            result = runner.tick_on(conn, job)
+            assert result.outcome == "ran" and result.detail["claimed"] == 10, result
+        recorded, Recording.seen = Recording.seen, []
+        raw = conn.connection.driver_connection
+        prepared = [text for (text,) in raw.execute("select statement from pg_prepared_statements")]
+        raw.rollback()
+        claims = [(t, p) for t, p in recorded if "skip locked" in t.lower()]
+        deletes = [t for t, _ in recorded if t.startswith('delete from "pgjobs"."queue"')]
+        assert len(deletes) == 7 and claims, [t[:80] for t, _ in recorded]
+        assert any("skip locked" in text for text in prepared), prepared
+        assert not [t for t in prepared if t.startswith('delete from "pgjobs"."queue"')], prepared
+        for text, params in claims[-1:]:
+            plan = generic_plan(raw, text, params)
+            found = scans(plan, "queue")
+            assert ("Seq Scan", None) not in found, show([(text, plan)])
+            used = {n["Index Name"] for n in nodes(plan) if "Index Name" in n}
+            assert used == {"queue_seq_idx", "queue_retry_idx"}, show([(text, plan)])
+            # every read of queue_seq_idx bounded by the entry's number: from
+            # the cursor (seq > low) or one probe a number (seq = r.seq, an
+            # index scan or a bitmap's)
+            by_number = [
+                n.get("Index Cond", "")
+                for n in nodes(plan)
+                if n.get("Index Name") == "queue_seq_idx"
+            ]
+            assert len(by_number) == 2, show([(text, plan)])
+            assert all("seq" in cond for cond in by_number), show([(text, plan)])
 
 
 def test_the_status_read_probes_each_jobs_latest_run(big: Engine) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from psycopg import sql
 
-from .._pg import frozen
+from .._pg import frozen, replanned
 from ..jobs import QueueJob
 from ..queue import queue_table
 from ..target import Target
@@ -182,9 +182,13 @@ class Statements:
         # By the ctid the claim locked (a TID scan: no probe of the primary
         # key, which walks every version of a key that a held horizon
         # keeps). The entries are locked by this transaction, so their ctid
-        # cannot change between the claim and the delete.
-        self.delete = frozen(
-            sql.SQL("delete from {} where ctid = any(%s::tid[]) and job = %s").format(self.queue)
+        # cannot change between the claim and the delete, and the ctid alone
+        # names them: with a condition on ``job`` too, the plan PostgreSQL
+        # kept was a walk of the job's whole primary key with the ctids as a
+        # filter (10 ms a tick after 100 s of a held horizon). Planned at
+        # each run: a plan kept from a queue that fit a page scans it whole.
+        self.delete = replanned(
+            sql.SQL("delete from {} where ctid = any(%s::tid[])").format(self.queue)
         )
         self.record_failures = frozen(
             sql.SQL(
@@ -327,9 +331,10 @@ class Statements:
         three places (pgjobs/worker/cursor.py): entries waiting for a retry
         whose time has come (``pgjobs_path`` 1, their own index); entries read
         before and not taken, by their number (2, ``%(recheck)s``: one probe
-        each, a join with the array, where ``seq = any(...)`` was planned,
-        in a generic plan, as a walk of the job's whole index: 20 ms after
-        100 s of a held horizon); then
+        each, from the array, behind ``OFFSET 0``: ``seq = any(...)``, and a
+        join with the array the planner could flatten, were planned, in a
+        generic plan, as a walk of the job's whole index, whatever the
+        array held: 10-20 ms a claim after 100 s of a held horizon); then
         entries numbered past the cursor (0, ``%(low)s``), in number order.
 
         A job with several workers takes different items in each: of the
@@ -348,7 +353,7 @@ class Statements:
             " order by not_before limit %(n)s)"
             " union all (select e.key, e.seq, 2, e.ctid from unnest(%(recheck)s::bigint[]) as r(seq),"
             " lateral (select key, seq, ctid from {q} where job = %(job)s and seq = r.seq"
-            " and dead_at is null and attempts = 0) as e)"
+            " and dead_at is null and attempts = 0 offset 0) as e)"
             " union all (select key, seq, 0, ctid from {q} where job = %(job)s"
             " and dead_at is null and attempts = 0 and seq > %(low)s"
             " and seq <> all(%(recheck)s::bigint[]) order by seq limit {limit})) as u"

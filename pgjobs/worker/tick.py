@@ -276,7 +276,7 @@ def delete(t: Tick, items: list[str]) -> None:
     transaction until then."""
     if not items:
         return
-    later(t.conn, t.statements.delete, ([t.ctid_of[i] for i in items], t.job.name))
+    later(t.conn, t.statements.delete, ([t.ctid_of[i] for i in items],))
     count_deleted(t.ctx, len(items))
 
 
