@@ -79,10 +79,12 @@ def job(args: Any, sliced: bool) -> Any:
 
     return pgjobs.RecomputeJob(
         name="bench_sliced" if sliced else "bench_whole",
-        # "apart": the same sliced run in a group of its own, which never
-        # holds the queue's write lock: what the queue beside it feels of
-        # the machine's load alone
-        group="bench_apart" if args.mode == "apart" else "bench",
+        # "apart" ("whole-apart"): the same sliced (unsliced) run in a group
+        # of its own, which never holds the queue's write lock, as a
+        # recompute of another table is by default (its group is its
+        # target): what the queue beside it feels of the machine's load and
+        # of the snapshot the run holds
+        group="bench_apart" if args.mode in ("apart", "whole-apart") else "bench",
         target="derived",
         compute=DERIVE.format(per=args.per),
         scope=("parent_id",),
@@ -146,13 +148,14 @@ def child(args: Any) -> None:
 
     url = with_db(args.dsn, DB, APP).replace("postgresql://", "postgresql+psycopg://", 1)
     started = time.perf_counter()
-    result = pgjobs.run_once(job(args, args.mode != "whole"), url, force=True)
+    sliced = args.mode not in ("whole", "whole-apart")
+    result = pgjobs.run_once(job(args, sliced), url, force=True)
     # beside the queue, the group's lock is the worker's at times: a tick then
     # ends busy, and a user's next tick (as the scheduler's busy_retry) gets it
     deadline = time.monotonic() + 120
     while args.retry_busy and str(result.outcome) == "busy" and time.monotonic() < deadline:
         time.sleep(0.05)
-        result = pgjobs.run_once(job(args, args.mode != "whole"), url, force=True)
+        result = pgjobs.run_once(job(args, sliced), url, force=True)
     print(
         json.dumps(
             {
@@ -645,12 +648,13 @@ def main() -> int:
     parser.add_argument(
         "--queue-idle", type=float, default=15.0, help="seconds of the queue alone, a round"
     )
-    parser.add_argument("--child", choices=("sliced", "whole", "apart"), dest="mode")
+    parser.add_argument("--child", choices=("sliced", "whole", "apart", "whole-apart"), dest="mode")
     parser.add_argument(
         "--queue-modes",
         default="none,sliced,whole",
         help="beside the queue, in rotation: none, sliced, whole, apart (sliced in a group"
-        " of its own: the machine's load without the group's lock), sliced@NAME=VALUE",
+        " of its own: the machine's load without the group's lock), whole-apart (unsliced,"
+        " in a group of its own: what the issue measured), sliced@NAME=VALUE",
     )
     parser.add_argument("--retry-busy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace", default="", help=argparse.SUPPRESS)

@@ -121,9 +121,13 @@ class Store:
     ) -> tuple[sql.Composed, dict[str, Any]]:
         """The statement that records a failure in ``job_state`` (backoff
         until ``next_attempt_at``). A failure recorded late (its connection
-        was lost) changes nothing when the job has succeeded since it started."""
+        was lost) changes nothing when the job has succeeded since it
+        started: by ``job_state``, or by the run log, which has the
+        successes a queue job does not write to ``job_state`` (one in
+        ``SUCCESS_EVERY``, :mod:`pgjobs.steps`): a probe of its (job,
+        started_at) index from the failure's start."""
         query = sql.SQL(
-            "insert into {} as s (job, next_attempt_at, failures, last_started_at,"
+            "insert into {state} as s (job, next_attempt_at, failures, last_started_at,"
             " last_failure_at, last_error, last_sqlstate, updated_at)"
             " values (%(job)s, %(next)s, %(failures)s, %(started)s, %(started)s, %(error)s,"
             " %(sqlstate)s, %(started)s)"
@@ -131,8 +135,10 @@ class Store:
             " failures = excluded.failures, last_started_at = excluded.last_started_at,"
             " last_failure_at = excluded.last_failure_at, last_error = excluded.last_error,"
             " last_sqlstate = excluded.last_sqlstate, updated_at = excluded.updated_at"
-            " where s.last_success_at is null or s.last_success_at < excluded.last_started_at"
-        ).format(self.table("job_state"))
+            " where (s.last_success_at is null or s.last_success_at < excluded.last_started_at)"
+            " and not exists (select from {run} as r where r.job = excluded.job"
+            " and r.started_at >= excluded.last_started_at and r.outcome = 'ran')"
+        ).format(state=self.table("job_state"), run=self.table("run"))
         params = {
             "job": job,
             "next": next_attempt_at,
