@@ -545,19 +545,23 @@ async def queue_stats_async(
 
 
 # -- upkeep ------------------------------------------------------------------------
-def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
-    """``VACUUM`` the queue table, on ``conn`` outside any transaction.
+def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> int | None:
+    """``VACUUM`` the queue table, on ``conn`` outside any transaction; the
+    dead entries it had to leave (a snapshot may still see them: a held
+    xmin horizon), as the vacuum reported them, or ``None`` when the
+    statistics do not say.
 
-    Workers take entries off the queue in key order, so its indexes fill
-    with dead entries ahead of the live ones, and every ``has_work`` probe
-    and claim steps over all of them until a vacuum clears them. Autovacuum
-    looks at a table once a minute at best; a queue drained at thousands of
-    items a second would grow that prefix to hundreds of thousands of
-    entries (measured: the probe went from 0.04 to 2.5 ms over 15,000).
-    So a worker vacuums the queue itself after every :data:`VACUUM_EVERY`
-    entries it took off (1-5 ms each time here). ``SKIP_LOCKED``: when
-    another vacuum of the table runs, this one does nothing. A role that
-    does not own the table gets a warning from PostgreSQL and nothing else.
+    Every processed entry leaves a dead version in the table and its
+    indexes until a vacuum removes it. Claims and work checks read past
+    them (the cursor, :mod:`pgjobs.worker.cursor`), but a key's next
+    enqueue walks that key's dead versions, the cursor's full pass and
+    ``queue_stats`` walk them all, and the table grows. Autovacuum looks at
+    a table once a minute at best; a queue drained at thousands of items a
+    second is worth vacuuming sooner. So a worker vacuums the queue itself
+    after every so many entries it took off (:mod:`pgjobs.worker.vacuum`;
+    1-5 ms each time here). ``SKIP_LOCKED``: when another vacuum of the
+    table runs, this one does nothing. A role that does not own the table
+    gets a warning from PostgreSQL and nothing else.
     """
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
@@ -565,9 +569,16 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> None:
         raise PgJobsError("vacuum_queue: the connection is inside a transaction")
     raw.autocommit = True
     try:
-        raw.execute(sql.SQL("vacuum (skip_locked) {}").format(queue_table(schema)))
+        table = queue_table(schema)
+        raw.execute(sql.SQL("vacuum (skip_locked) {}").format(table))
+        row = raw.execute(
+            sql.SQL("select pg_stat_get_dead_tuples({}::regclass)").format(
+                sql.Literal(table.as_string(raw))
+            )
+        ).fetchone()
     finally:
         raw.autocommit = False
+    return None if row is None or row[0] is None else int(row[0])
 
 
 __all__ = [

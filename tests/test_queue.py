@@ -1035,6 +1035,39 @@ def test_the_worker_vacuums_the_queue_after_every_so_many_entries_it_took_off(db
     assert derived(db) == from_scratch(db)
 
 
+def test_while_a_snapshot_holds_the_horizon_the_workers_vacuums_come_half_as_often_each_time(
+    db, db_url, monkeypatch
+):
+    # A vacuum under a held horizon removes nothing and reads the whole
+    # queue, which grows meanwhile: each one that leaves at least what was
+    # taken off since the last doubles the entries until the next; one that
+    # removes them sets it back.
+    monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 10)
+    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
+    monkeypatch.setattr(pgjobs.worker.vacuum, "_every", {})
+    add_parents(db, range(1, 171))
+    job = make_job(batch_size=10)
+    push(db, job, range(1, 71))
+    before = vacuum_count(db)
+    holder = psycopg.connect(db_url.replace("postgresql+psycopg://", "postgresql://"))
+    holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    counts = []
+    with holder, pgjobs.Runner(db) as runner:
+        holder.execute("select 1").fetchone()  # its snapshot, held
+        for _ in range(7):
+            assert runner.tick(job, force=True).items == 10
+            counts.append(vacuum_count(db) - before)
+        holder.rollback()  # the horizon moves on
+        push(db, job, range(71, 171))
+        for _ in range(10):
+            assert runner.tick(job, force=True).items == 10
+            counts.append(vacuum_count(db) - before)
+    # held: at 10 (then every 20), 30 (then 40), 70 (then 80); released: at
+    # 150, which removes them (then every 10 again), at 160, at 170
+    assert counts == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 4, 5, 6]
+    assert derived(db) == from_scratch(db)
+
+
 def test_a_failing_vacuum_after_the_commit_leaves_the_run_and_the_connection_fine(
     db, monkeypatch, caplog
 ):
