@@ -1046,6 +1046,8 @@ def test_while_a_snapshot_holds_the_horizon_the_workers_vacuums_come_half_as_oft
     monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
     monkeypatch.setattr(pgjobs.worker.vacuum, "_every", {})
     add_parents(db, range(1, 171))
+    with db.begin() as conn:  # no autovacuum to take the table from the worker's
+        conn.execute(text("alter table pgjobs.queue set (autovacuum_enabled = off)"))
     job = make_job(batch_size=10)
     push(db, job, range(1, 71))
     before = vacuum_count(db)
