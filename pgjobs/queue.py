@@ -572,9 +572,7 @@ def vacuum_queue(conn: Connection, *, schema: str = DEFAULT_SCHEMA) -> int | Non
         table = queue_table(schema)
         raw.execute(sql.SQL("vacuum (skip_locked) {}").format(table))
         row = raw.execute(
-            sql.SQL("select pg_stat_get_dead_tuples({}::regclass)").format(
-                sql.Literal(table.as_string(raw))
-            )
+            "select pg_stat_get_dead_tuples(%s::regclass)", (table.as_string(raw),)
         ).fetchone()
     finally:
         raw.autocommit = False

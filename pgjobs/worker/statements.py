@@ -331,10 +331,11 @@ class Statements:
         three places (pgjobs/worker/cursor.py): entries waiting for a retry
         whose time has come (``pgjobs_path`` 1, their own index); entries read
         before and not taken, by their number (2, ``%(recheck)s``: one probe
-        each, from the array, behind ``OFFSET 0``: ``seq = any(...)``, and a
-        join with the array the planner could flatten, were planned, in a
-        generic plan, as a walk of the job's whole index, whatever the
-        array held: 10-20 ms a claim after 100 s of a held horizon); then
+        a number, driven from the array by a subquery behind ``OFFSET 0``,
+        which the planner may not pull up. ``seq = any(...)``, and then a
+        plain join with the array, were both kept, in a generic plan, as a
+        walk of the job's whole index, however short the array: 10-20 ms a
+        claim after 100 s of a held horizon); then
         entries numbered past the cursor (0, ``%(low)s``), in number order.
 
         A job with several workers takes different items in each: of the
