@@ -19,6 +19,7 @@ from extras import EXTRAS, binary, required
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
+import pgjobs.worker.vacuum
 from pgjobs.testing import ENV_DSN, find_server_url, fresh_database
 
 
@@ -65,6 +66,15 @@ def _no_installed_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests never auto-load whatever plugins happen to be installed.
     monkeypatch.setenv("PGJOBS_LOAD_PLUGINS", "")
     monkeypatch.delenv("PGJOBS_DATABASE_URL", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_vacuum_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker's own VACUUM counts entries per schema in the process
+    # (pgjobs/worker/vacuum.py): every test's database starts from none,
+    # not from what a test before it (a held horizon: far apart) left.
+    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
+    monkeypatch.setattr(pgjobs.worker.vacuum, "_every", {})
 
 
 @pytest.fixture(scope="session")

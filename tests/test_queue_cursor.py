@@ -22,7 +22,7 @@ import pgjobs.worker.cursor
 from pgjobs.jobs import RunContext
 from pgjobs.migrations import migrate, migrations
 from pgjobs.worker import has_pending, pending_query
-from pgjobs.worker.cursor import FRESH, RECHECK, RECHECK_MAX, Cursor
+from pgjobs.worker.cursor import FRESH, RECHECK, RECHECK_MAX, Cursor, sample_sql
 from tests.test_queue import (
     SCHEMA,
     add_parents,
@@ -134,6 +134,45 @@ def test_an_enqueue_that_commits_after_a_later_one_was_claimed_is_claimed(db: En
         assert result.items == 1, result
     assert queue_rows(db) == []
     assert derived(db) == from_scratch(db)
+
+
+def test_a_second_sample_in_one_transaction_sees_the_transactions_begun_since_the_first(
+    db: Engine,
+) -> None:
+    """A session reads the others' activity once a transaction and answers
+    from that copy after: a claim redone in the same transaction (after a
+    rollback to a savepoint) would pair the sequence's new value with the
+    xids running at the first, missing an enqueue that drew a number
+    between the two. The sample throws the copy away first."""
+    last, running = sample_sql("pgjobs")
+    sample = sql.SQL("select l.v, {} from {}").format(running, last)
+    with psycopg.connect(libpq(db)) as worker, psycopg.connect(libpq(db)) as user:
+        _, before = worker.execute(sample).fetchone()  # type: ignore[misc]
+        user.execute("select pgjobs.enqueue('worker', '[[1]]')")  # an xid, then a number
+        (xid,) = user.execute("select pg_current_xact_id()::text::bigint").fetchone()  # type: ignore[misc]
+        value, after = worker.execute(sample).fetchone()  # type: ignore[misc]
+        assert xid not in (before or [])
+        assert value >= 1 and xid in after, (value, after, xid)
+        worker.rollback()
+        user.rollback()
+
+
+def test_a_claim_moves_the_cursor_only_as_far_as_was_safe_when_it_was_sent() -> None:
+    """Two workers of a job share its cursor. One's sample, read while the
+    other's claim ran (after that claim's snapshot), says a number is safe:
+    the other claim may not have seen what committed in between, and does
+    not move ``low`` past what was safe when it was sent."""
+    cursor = cursor_at(10)
+    b = cursor.params()  # worker B's claim is sent: safe is 10
+    b.limit, b.count = 100, 0  # it read all there was (in its snapshot)
+    cursor.sample(50, 1.0, [])  # worker A's sample, read after B's snapshot
+    assert cursor.safe == 50
+    cursor.advance(b)
+    assert cursor.low == 10  # not 50: B's snapshot may miss a commit below 50
+    a = cursor.params()
+    a.limit, a.count = 100, 0
+    cursor.advance(a)
+    assert cursor.low == 50
 
 
 def test_an_entry_a_users_transaction_holds_is_claimed_after_its_commit(db: Engine) -> None:

@@ -29,7 +29,7 @@ from .._pg import Later, driver, frozen, later, send
 from ..jobs import RUN_SAVEPOINT, QueueJob, RunContext
 from ..queue import key_json
 from ..target import Target, cached_target
-from .cursor import Cursor, Read, rows_read
+from .cursor import Cursor, Read, rows_read, split_sample
 from .small import Composed, small_enough
 from .state import (
     KEYS_SHAPE,
@@ -90,15 +90,13 @@ def claim(t: Tick) -> Claimed:
         first = next_savepoint(t) if preload else None
         statements: list[tuple[sql.Composable, Any]] = [
             (sql.SQL("savepoint {}").format(sp), None),
-            (t.statements.sample, None),
             (t.statements.claim_loading if preload else t.statements.claim, params),
         ]
         if first is not None:  # after the claim: its savepoint, and the keys it loaded
             statements.append((sql.SQL("savepoint {}").format(first), None))
             statements.append((t.statements.loaded_keys, None))
         try:
-            _, sampled, rows, *loaded = send(t.conn, *statements)
-            t.sample = sampled.one()
+            _, rows, *loaded = send(t.conn, *statements)
             fits = keys_table_fits(t, shape.result.one() if shape.result else None)
             result = rows.all() if fits else []
         except psycopg.DatabaseError as exc:
@@ -122,8 +120,7 @@ def claim(t: Tick) -> Claimed:
         rollback_to(t, sp)
         return lock_readable(t, claim_rows(t))
     # The savepoint stays open (the commit releases it): a round trip saved.
-    moved(t, read, result)
-    return classify(t, result)
+    return classify(t, moved(t, read, result))
 
 
 def cursor_of(ctx: RunContext) -> Cursor:
@@ -147,17 +144,18 @@ def moved(
     rows: list[tuple[Any, ...]],
     seq_at: int = SEQ_AT,
     claimed_at: int = 3,
-) -> None:
-    """The cursor after a claim's ``rows`` (and the sample sent with it),
-    and what it does when the tick ends (pgjobs/worker/cursor.py). The
-    rows' number, path, read count and ctid are at ``seq_at`` and after it;
-    whether the entry was claimed, at ``claimed_at`` (the item itself in
-    :func:`claim_rows`' rows, ``None`` for an entry held)."""
+) -> list[tuple[Any, ...]]:
+    """The cursor after a claim's ``rows`` (and the sample among them), and
+    what it does when the tick ends (pgjobs/worker/cursor.py); returns the
+    rows of the entries, the sample's taken out. The rows' number, path,
+    read count and ctid are at ``seq_at`` and after it; whether the entry
+    was claimed, at ``claimed_at`` (the item itself in :func:`claim_rows`'
+    rows, ``None`` for an entry held)."""
     cursor = cursor_of(t.ctx)
-    if t.sample is not None:
-        cursor.sample(*t.sample)
-        t.sample = None
+    rows, sample = split_sample(rows, seq_at)
     token = cursor.advance(rows_read(read, rows, seq_at, claimed_at))
+    if sample is not None:
+        cursor.sample(*sample)
     claimed = {r[0]: int(r[seq_at]) for r in rows if r[0] is not None and r[claimed_at]}
     t.ctid_of.update((r[0], r[seq_at + 3]) for r in rows if r[0] in claimed)
 
@@ -169,6 +167,7 @@ def moved(
 
     t.ctx.after_commit.append(committed)
     t.ctx.after_rollback.append(lambda: cursor.ended(token, committed=False))
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +177,8 @@ class Ahead:
     #: the reflection it was composed from (the cached one, unverified then)
     target: Target
     claimed: Later
-    #: where it read (the cursor's), and the sample sent before it
+    #: where it read (the cursor's)
     read: Read
-    sampled: Later
     #: the small write sent after it, for the keys it loaded: (its composed
     #: statement, its handle), or ``None``
     write: tuple[Composed, Later] | None = None
@@ -225,10 +223,9 @@ def claim_ahead(conn: Connection, job: QueueJob, ctx: RunContext) -> Ahead | Non
     if not statements.item_parents:
         return None
     params, read = claim_params(job, ctx)
-    sampled = later(conn, statements.sample, guarded=True)
     claimed = later(conn, statements.claim_keyed, params, guarded=True)
     later(conn, _AHEAD_SAVEPOINT, guarded=True)
-    return Ahead(target, claimed, read, sampled, _write_ahead(conn, job, statements))
+    return Ahead(target, claimed, read, _write_ahead(conn, job, statements))
 
 
 def _write_ahead(
@@ -276,10 +273,7 @@ def claim_adopted(t: Tick, ahead: Ahead | None) -> Claimed | None:
     if result is None or t.target is not ahead.target:
         t.raw.execute(_AHEAD_UNDO)
         return None
-    if ahead.sampled.result is not None:
-        t.sample = ahead.sampled.result.one()
-    rows = result.all()
-    moved(t, ahead.read, rows)
+    rows = moved(t, ahead.read, result.all())
     claimed = keyed(t, rows, _AHEAD_AFTER)
     if ahead.write is not None:
         adopt_write(t, *ahead.write)
@@ -310,10 +304,9 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any], read: Read)
     was known (dropped, say): rolled back, forgotten, the caller asks."""
     first = next_savepoint(t)
     try:
-        _, sampled, rows, _ = send(
+        _, rows, _ = send(
             t.conn,
             (sql.SQL("savepoint {}").format(sp), None),
-            (t.statements.sample, None),
             (t.statements.claim_keyed, params),
             (sql.SQL("savepoint {}").format(first), None),
         )
@@ -324,10 +317,7 @@ def claim_known(t: Tick, sp: sql.Identifier, params: dict[str, Any], read: Read)
         rollback_to(t, sp)
         forget_keys_table(t)
         return None
-    t.sample = sampled.one()
-    result = rows.all()
-    moved(t, read, result)
-    return keyed(t, result, first)
+    return keyed(t, moved(t, read, rows.all()), first)
 
 
 def keyed(t: Tick, result: list[tuple[Any, ...]], first: sql.Identifier) -> Claimed:
@@ -366,10 +356,8 @@ def classify(t: Tick, result: list[tuple[Any, ...]]) -> Claimed:
 def claim_rows(t: Tick) -> list[str]:
     """Claim due entries plainly (a batch of them), no parent locked."""
     params, read = claim_params(t.job, t.ctx)
-    sampled, claimed = send(t.conn, (t.statements.sample, None), (t.statements.claim_all, params))
-    t.sample = sampled.one()
-    rows = claimed.all()
-    moved(t, read, rows, seq_at=3, claimed_at=0)
+    (claimed,) = send(t.conn, (t.statements.claim_all, params))
+    rows = moved(t, read, claimed.all(), seq_at=3, claimed_at=0)
     t.claimed_at = time.perf_counter()
     items = []
     for item, attempts, age, *_ in rows:

@@ -19,10 +19,14 @@ number only when both hold:
 * *safe*: every transaction that drew a number up to it has ended, so that
   what it committed was there to read. The enqueue takes its transaction's
   xid before it draws a number (``<schema>.enqueue``, ``queue_seq()``). A
-  *sample*, sent with each claim, reads the sequence's last value and then
-  the xids of the transactions running at that moment: every transaction
-  that drew a number up to that value is among them or has ended. Once no
-  xid of a sample runs any more (a later sample says), its value is safe.
+  *sample*, a row of each claim's statement (and a column of each work
+  check's), reads the sequence's last value and then the xids of the
+  transactions running at that moment: every transaction that drew a
+  number up to that value is among them or has ended. Once no xid of a
+  sample runs any more (a later sample says), its value is safe. A claim
+  moves ``low`` only up to what was safe when it was *sent*: the sample
+  read in its own statement comes after its snapshot, and so does one
+  that another worker of the job read while it ran.
 
 An entry read but not claimed (a user's transaction holds it, or a parent
 of its item: the claim skips both, never waiting) is kept by number in
@@ -63,8 +67,9 @@ FULL_PASS_SECONDS = 300.0
 #: stays below the lowest of them (claims then read from there)
 RECHECK_MAX = 1000
 
-#: the rows' ``path``: where a claim found the entry
-FRESH, RETRY, RECHECK = 0, 1, 2
+#: the rows' ``path``: where a claim found the entry (``SAMPLE``: the
+#: claim's row of its sample, not an entry)
+FRESH, RETRY, RECHECK, SAMPLE = 0, 1, 2, 3
 
 
 def sample_sql(schema: str) -> tuple[sql.Composable, sql.Composable]:
@@ -72,11 +77,19 @@ def sample_sql(schema: str) -> tuple[sql.Composable, sql.Composable]:
     sequence's last value, ``l.v``) and a column of that row: the xids of
     the transactions running in this database, this session's left out, and
     of those prepared for two-phase commit; a subquery of ``l``'s row, so
-    read after it."""
+    read after it.
+
+    A session reads the activity of the others once a transaction, then
+    answers from that copy: a second sample in the same transaction (a
+    claim redone after a rollback to a savepoint) would pair a fresh value
+    with the xids running at the first, missing those that drew a number
+    between the two. ``pg_stat_clear_snapshot()``, read with the value,
+    throws that copy away (a volatile function: kept in the plan)."""
     numbers = sql.Identifier(schema, "queue_seq")
     last = sql.SQL(
         "(select case when is_called then last_value else 0 end as v,"
-        " extract(epoch from pg_postmaster_start_time())::float8 as server from {} offset 0) as l"
+        " extract(epoch from pg_postmaster_start_time())::float8 as server,"
+        " pg_stat_clear_snapshot() as fresh from {} offset 0) as l"
     ).format(numbers)
     running = sql.SQL(
         "(select array_agg(x) from (select a.backend_xid::text::bigint as x"
@@ -98,6 +111,8 @@ class Read:
     recheck: tuple[int, ...]
     #: how many entries it could read (the job's batch size; 4 x with workers > 1)
     limit: int
+    #: what was safe when it was sent: how far ``low`` may move after it
+    safe: int = 0
     #: how many it read: fewer than ``limit``, and it read all there were
     count: int = 0
     #: (seq, path, claimed) of every entry it read
@@ -144,6 +159,7 @@ class Cursor:
             return Read(
                 low=low,
                 recheck=tuple(self.recheck),
+                safe=self.safe,
                 limit=0,
                 full=full,
                 generation=self._generation,
@@ -227,8 +243,9 @@ class Cursor:
             if read.generation != self._generation:
                 return self._next_tick  # read before a reset: tells nothing now
             # past what it read (all of it, when it read fewer than it could)
-            # and not past what is safe
-            bound = self.safe if complete else min(self.safe, max(fresh, default=0))
+            # and not past what was safe when it was sent (see the module
+            # docstring: a later sample may have come after its snapshot)
+            bound = read.safe if complete else min(read.safe, max(fresh, default=0))
             new_low = max(read.low, bound)
             self.low = new_low if read.full else max(self.low, new_low)
             # what it read again: kept while not claimed, dropped when claimed,
@@ -287,6 +304,23 @@ class Cursors:
             return cursor
 
 
+def split_sample(
+    rows: list[tuple[Any, ...]], seq_at: int
+) -> tuple[list[tuple[Any, ...]], tuple[Any, ...] | None]:
+    """A claim's rows without the row of its sample (``path`` :data:`SAMPLE`,
+    first as the claim orders them), and the sample for :meth:`Cursor.sample`:
+    the sequence's value (at ``seq_at``), the server's start and the xids
+    running (the two columns after the entry's ``ctid``)."""
+    path = seq_at + 1
+    at = 0 if rows and rows[0][path] == SAMPLE else None
+    if at is None:  # (not first: looked for)
+        at = next((n for n, row in enumerate(rows) if row[path] == SAMPLE), None)
+    if at is None:
+        return rows, None
+    row = rows[at]
+    return rows[:at] + rows[at + 1 :], (row[seq_at], row[seq_at + 4], row[seq_at + 5])
+
+
 def rows_read(read: Read, rows: Sequence[Sequence[Any]], seq_at: int, claimed_at: int) -> Read:
     """``read`` with a claim's rows: their ``seq``, ``path`` and ``read``
     columns from ``seq_at`` on, whether the entry was claimed at ``claimed_at``."""
@@ -301,9 +335,11 @@ __all__ = [
     "RECHECK",
     "RECHECK_MAX",
     "RETRY",
+    "SAMPLE",
     "Cursor",
     "Cursors",
     "Read",
     "rows_read",
     "sample_sql",
+    "split_sample",
 ]

@@ -104,8 +104,6 @@ class Tick:
     #: each claimed item's entry, by its ctid (the claim locked that version;
     #: the delete takes it by it)
     ctid_of: dict[str, str] = field(default_factory=dict)
-    #: the cursor's sample sent with the claim (pgjobs/worker/cursor.py), until read
-    sample: tuple[Any, ...] | None = None
 
 
 def new_tick(

@@ -22,15 +22,16 @@ from .._pg import frozen, replanned
 from ..jobs import QueueJob
 from ..queue import queue_table
 from ..target import Target
-from .cursor import sample_sql
+from .cursor import SAMPLE, sample_sql
 
 #: the temp table holding the current batch's scope values (compute SQL may join it)
 KEYS_TABLE = "pgjobs_keys"
 #: the claim's rows: (item, attempts, gone, claimed, age, seq, path, read,
-#: ctid), then (the keyed claim) the item's typed scope values from this
-#: column on
+#: ctid, server, running), then (the keyed claim) the item's typed scope
+#: values from this column on. The first row is the cursor's sample
+#: (path ``SAMPLE``: seq, server and running; pgjobs/worker/cursor.py)
 SEQ_AT = 5
-KEYED_AT = 9
+KEYED_AT = 11
 #: what the claim's CTEs carry along from ``due`` for each item: no join
 #: between CTEs (a generic plan, which takes each CTE for one row, made
 #: them nested loops: 1,000 x 1,000 jsonb comparisons, 380 ms a claim)
@@ -98,11 +99,11 @@ class Statements:
 
     def _compose_claims(self, schema: str) -> None:
         """The claim's statements (:mod:`.claim`)."""
-        self.claim = frozen(self._claim_sql(load=False))
-        self.claim_loading = frozen(self._claim_sql(load=True))
+        self.claim = frozen(self._claim_sql(schema, load=False))
+        self.claim_loading = frozen(self._claim_sql(schema, load=True))
         #: the claim that loads the keys table and returns each claimed
         #: item's typed key too (when the keys table is known to fit)
-        self.claim_keyed = frozen(self._claim_sql(load=True, keyed=True))
+        self.claim_keyed = frozen(self._claim_sql(schema, load=True, keyed=True))
         self.loaded_keys = frozen(
             sql.SQL("select {c} from pg_temp.{t} order by {c}").format(
                 c=self.scope, t=self.keys_table
@@ -125,24 +126,20 @@ class Statements:
             sql.SQL(
                 "with {due}, c as materialized (select e.key, e.attempts, e.enqueued_at, e.ctid,"
                 " due.pgjobs_seq, due.pgjobs_path from due, lateral ({lock}) as e where e.dead_at is null"
-                " and e.not_before <= now())"
-                " select c.key::text, c.attempts,"
+                " and e.not_before <= now()) {sample}"
+                " union all select c.key::text, c.attempts,"
                 " extract(epoch from clock_timestamp() - c.enqueued_at)::float8, c.pgjobs_seq,"
-                " c.pgjobs_path, {read}, c.ctid::text from c"
-                " union all select null, null, null, d.pgjobs_seq, d.pgjobs_path, {read}, null"
-                " from {unread} as d where d.item not in (select key from c)"
+                " c.pgjobs_path, {read}, c.ctid::text, null, null from c"
+                " union all select null, null, null, d.pgjobs_seq, d.pgjobs_path, {read}, null,"
+                " null, null from {unread} as d where d.item not in (select key from c)"
             ).format(
                 due=self._due_sql(),
                 lock=self._lock_sql("due.pgjobs_ctid", "due.item"),
+                sample=self._sample_sql(schema, before=3),
                 read=self._read_sql(),
                 unread=self._unread_sql(),
             )
         )
-        #: what the claim's cursor reads first, in the same round trip
-        #: (pgjobs/worker/cursor.py): the sequence's last value, then the
-        #: xids running at that moment (a subquery of that row, so read after it)
-        last, running = sample_sql(schema)
-        self.sample = frozen(sql.SQL("select l.v, l.server, {} from {}").format(running, last))
 
     def _compose_writes(self, schema: str) -> None:
         """The statements of the processing and of the finish (:mod:`.tick`)."""
@@ -250,7 +247,27 @@ class Statements:
         )
         return sql.SQL(", ").join(ctes)
 
-    def _claim_sql(self, *, load: bool, keyed: bool = False) -> sql.Composed:
+    def _sample_sql(
+        self, schema: str, *, before: int, nulls: sql.Composable | None = None
+    ) -> sql.Composed:
+        """The claim's first row: the cursor's sample (pgjobs/worker/cursor.py),
+        in the claim's own statement, a statement saved on each tick: nulls
+        for the ``before`` columns before ``seq``, then the sequence's value
+        as ``seq``, :data:`SAMPLE` as ``path``, nulls for the read count and
+        the ``ctid``, then the server's start and the xids running (nulls
+        there in the other rows)."""
+        last, running = sample_sql(schema)
+        return sql.SQL(
+            "select {gap}l.v, {path}, null, null, l.server, {running}{nulls} from {last}"
+        ).format(
+            gap=sql.SQL("null, " * before),
+            path=sql.Literal(SAMPLE),
+            running=running,
+            nulls=nulls or sql.SQL(""),
+            last=last,
+        )
+
+    def _claim_sql(self, schema: str, *, load: bool, keyed: bool = False) -> sql.Composed:
         """One statement: the due items (no lock), their parents ``FOR KEY
         SHARE SKIP LOCKED``, then the entries of the items whose parents are
         locked or gone ``FOR UPDATE SKIP LOCKED``. Parents before entries, the
@@ -258,10 +275,13 @@ class Statements:
         lock ever waited for: an item whose parent a user holds is not claimed
         at all, so that user's enqueue never waits for the worker.
 
-        Rows: (item, attempts, gone, claimed, seconds since its enqueue) for
-        claimed entries, then (item, null, false, false, null) for deferred items;
+        Rows: the cursor's sample first (:meth:`_sample_sql`), then (item,
+        attempts, gone, claimed, seconds since its enqueue) for claimed
+        entries, then (item, null, false, false, null) for deferred items;
         ``keyed``: each with the item's typed scope values after them (nulls
-        for deferred items), claimed items first in key order."""
+        for deferred items), claimed items first in key order (the sample's
+        ``claimed`` is null: first in that order too)."""
+        nulls = sql.SQL(", (null::pg_temp.{}).*").format(self.keys_table) if keyed else sql.SQL("")
         return sql.SQL(
             "with {due}, {classify},"
             # One primary-key probe per item (a lateral subquery, so that no
@@ -275,20 +295,23 @@ class Statements:
             " c as materialized (select e.key, e.attempts, e.enqueued_at, e.ctid, s.pgjobs_seq,"
             " s.pgjobs_path from s, lateral ({lock}) as e"
             " where (s.locked or not s.present) and e.dead_at is null"
-            " and e.not_before <= now()){load}"
-            " select c.key::text, c.attempts, c.key in (select item from s where not present),"
+            " and e.not_before <= now()){load} {sample}"
+            " union all select c.key::text, c.attempts,"
+            " c.key in (select item from s where not present),"
             " true, extract(epoch from clock_timestamp() - c.enqueued_at)::float8,"
-            " c.pgjobs_seq, c.pgjobs_path, {read}, c.ctid::text{keyed} from c{typed}"
+            " c.pgjobs_seq, c.pgjobs_path, {read}, c.ctid::text, null, null{keyed} from c{typed}"
             " union all select s.item::text, null, false, false, null, s.pgjobs_seq, s.pgjobs_path,"
-            " {read}, null{nulls} from s"
+            " {read}, null, null, null{nulls} from s"
             " where s.present and not s.locked"
             # entries read but not taken: held by another transaction (or
             # failed by a worker beside this one since "due" read them), and,
             # with workers > 1, the candidates whose item lock another has
             " union all select null, null, false, false, null, d.pgjobs_seq, d.pgjobs_path,"
-            " {read}, null{nulls} from {unread} as d where d.item not in (select key from c)"
+            " {read}, null, null, null{nulls} from {unread} as d"
+            " where d.item not in (select key from c)"
             " and d.item not in (select item from s where s.present and not s.locked){order}"
         ).format(
+            sample=self._sample_sql(schema, before=SEQ_AT, nulls=nulls),
             due=self._due_sql(),
             lock=self._lock_sql("s.pgjobs_ctid", "s.item"),
             classify=self._classify_ctes(sql.SQL("due"), _CARRY),
@@ -301,9 +324,7 @@ class Statements:
             typed=sql.SQL(", lateral {} as t").format(self._typed_of("c.key"))
             if keyed
             else sql.SQL(""),
-            nulls=sql.SQL(", (null::pg_temp.{}).*").format(self.keys_table)
-            if keyed
-            else sql.SQL(""),
+            nulls=nulls,
             order=sql.SQL(" order by 4 desc, {}").format(
                 sql.SQL(", ").join(
                     sql.SQL(str(KEYED_AT + 1 + n)) for n in range(len(self.job.scope))
