@@ -276,8 +276,16 @@ def delete(t: Tick, items: list[str]) -> None:
     transaction until then."""
     if not items:
         return
-    later(t.conn, t.statements.delete, ([t.ctid_of[i] for i in items],))
+    later(t.conn, t.statements.delete, (tid_array([t.ctid_of[i] for i in items]),))
     count_deleted(t.ctx, len(items))
+
+
+def tid_array(ctids: list[str]) -> str:
+    """``ctids`` (the claim's ``ctid::text``, ``(block,offset)``: nothing in
+    them to escape) as one ``tid[]`` literal. Given as a list, psycopg
+    quotes and escapes each element with a regular expression: 0.2 ms of
+    client CPU a tick of 100 items, 1.5 % of a drain at batch 100."""
+    return '{"' + '","'.join(ctids) + '"}'
 
 
 def record_failures(t: Tick) -> int:
@@ -323,6 +331,7 @@ __all__ = [
     "process",
     "record_failures",
     "run_tick",
+    "tid_array",
     "write",
     "write_general",
 ]
