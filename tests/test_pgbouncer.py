@@ -453,7 +453,6 @@ def test_several_clients_enqueue_and_tick_concurrently_through_pgbouncer(
 ) -> None:
     # the worker's own VACUUM (outside a transaction, after a commit) too
     monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 10)
-    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
     vacuums_before = vacuum_count(direct)
     job = queue_job()
     clients = 4

@@ -1020,7 +1020,6 @@ def test_the_worker_vacuums_the_queue_after_every_so_many_entries_it_took_off(db
     # Dead entries ahead of the live ones would make every has_work probe and
     # claim step over them until autovacuum comes (a minute, at best).
     monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 25)
-    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
     add_parents(db, range(1, 41))
     job = make_job(batch_size=10)
     push(db, job, range(1, 41))
@@ -1045,8 +1044,6 @@ def test_while_a_snapshot_holds_the_horizon_the_workers_vacuums_come_half_as_oft
     # taken off since the last doubles the entries until the next; one that
     # removes them sets it back.
     monkeypatch.setattr(pgjobs.worker.vacuum, "VACUUM_EVERY", 10)
-    monkeypatch.setattr(pgjobs.worker.vacuum, "_deleted", {})
-    monkeypatch.setattr(pgjobs.worker.vacuum, "_every", {})
     add_parents(db, range(1, 171))
     with db.begin() as conn:  # no autovacuum to take the table from the worker's
         conn.execute(text("alter table pgjobs.queue set (autovacuum_enabled = off)"))
