@@ -92,6 +92,7 @@ def job(args: Any, sliced: bool) -> Any:
         every="1h",
         statement_timeout="0",
         slice_seconds=args.slice_seconds,
+        **({} if args.slice_pause is None else {"slice_pause": args.slice_pause}),
     )
 
 
@@ -144,7 +145,10 @@ def child(args: Any) -> None:
 
         for setting in args.set.split(";"):
             name, _, value = setting.partition("=")
-            setattr(body, name, type(getattr(body, name))(value))
+            if name == "slice_pause":  # the job's setting
+                args.slice_pause = float(value)
+            else:
+                setattr(body, name, type(getattr(body, name))(value))
 
     url = with_db(args.dsn, DB, APP).replace("postgresql://", "postgresql+psycopg://", 1)
     started = time.perf_counter()
@@ -180,7 +184,8 @@ def spawn(
     args: Any, mode: str, *, retry_busy: bool = False, trace_to: str = ""
 ) -> subprocess.Popen[str]:
     # "sliced@WRITE_ROWS=200": a sliced run with that constant of
-    # pgjobs.slices.body (';' between several), to compare
+    # pgjobs.slices.body (';' between several), to compare; "apart@slice_pause=0"
+    # with that job setting
     mode, _, settings = mode.partition("@")
     settings = settings or args.set
     return subprocess.Popen(
@@ -195,6 +200,7 @@ def spawn(
             str(args.per),
             "--slice-seconds",
             args.slice_seconds,
+            *([] if args.slice_pause is None else ["--slice-pause", str(args.slice_pause)]),
             *(["--retry-busy"] if retry_busy else []),
             *(["--trace", trace_to] if trace_to else []),
             *(["--set", settings] if settings else []),
@@ -346,6 +352,18 @@ def beside_writes(
     }
 
 
+def hog(url: str, seconds: float) -> dict[str, Any]:
+    """The machine's floor: one backend kept busy on one core (counting a
+    generated series, statement after statement) for ``seconds``, which is
+    all a recompute that holds no lock and no snapshot of the queue's can
+    cost it; no recompute."""
+    deadline = time.perf_counter() + seconds
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.perf_counter() < deadline:
+            conn.execute("select count(*) from generate_series(1, 5000000)")
+    return {"outcome": "-"}
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -379,7 +397,10 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
         for r in range(args.rounds):
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
-                if mode != "none":  # (none repairs them: the next run would find twice as many)
+                if mode not in (
+                    "none",
+                    "hog",
+                ):  # (none repairs them: the next run would find twice as many)
                     changed = change(url, args.changed, 20 + 3 * r + len(rows))
                     print(f"queue round {r + 1}: {changed} parents changed")
                 with Enqueuers(url, args.queue_rate, first_key) as users:
@@ -387,13 +408,15 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
                     if mode == "none":
                         time.sleep(args.queue_idle)
                         result: dict[str, Any] = {"outcome": "-"}
+                    elif mode == "hog":
+                        result = hog(url, args.hog_seconds)
                     else:
                         trace_to = os.path.join(os.path.dirname(config), f"trace-{len(rows)}")
                         result = collect(spawn(args, mode, retry_busy=True, trace_to=trace_to))
                     wall = time.perf_counter() - started
                 first_key += span
                 lags = queue_lags(url, users.committed)
-                held = windows(trace_to) if mode != "none" else []
+                held = windows(trace_to) if mode not in ("none", "hog") else []
                 row = {
                     "run": f"queue at {args.queue_rate:g}/s, recompute: {mode}",
                     "wall_s": round(wall, 2),
@@ -403,6 +426,7 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
                     "written": len(lags),
                     "lag_p50_ms": round(pct(lags, 0.5), 1),
                     "lag_p95_ms": round(pct(lags, 0.95), 1),
+                    "lag_p99_ms": round(pct(lags, 0.99), 1),
                     "lag_max_ms": round(max(lags, default=float("nan")), 1),
                 }
                 if held:
@@ -417,11 +441,12 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
             runner.kill()
             runner.wait(10)
     for mode in dict.fromkeys(m for m in modes if m != "none"):
-        mine = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": " + mode)]
-        none = [r["lag_p95_ms"] for r in rows if r["run"].endswith(": none")]
-        if mine and none:
-            ratio = statistics.median(mine) / statistics.median(none)
-            print(f"queue lag p95, recompute {mode} / none: {ratio:.2f}x (medians over rounds)")
+        for q in ("p95", "p99"):
+            mine = [r[f"lag_{q}_ms"] for r in rows if r["run"].endswith(": " + mode)]
+            none = [r[f"lag_{q}_ms"] for r in rows if r["run"].endswith(": none")]
+            if mine and none:
+                ratio = statistics.median(mine) / statistics.median(none)
+                print(f"queue lag {q}, recompute {mode} / none: {ratio:.2f}x (medians over rounds)")
     return rows
 
 
@@ -632,6 +657,9 @@ def main() -> int:
     parser.add_argument("--changed", type=float, default=0.02)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--slice-seconds", default="2s")
+    parser.add_argument(
+        "--slice-pause", type=float, default=None, help="the job's slice_pause (its default)"
+    )
     parser.add_argument("--no-exact", dest="exact", action="store_false")
     parser.add_argument("--no-mv", dest="mv", action="store_false")
     parser.add_argument("--no-kill", dest="kill", action="store_false")
@@ -648,20 +676,26 @@ def main() -> int:
     parser.add_argument(
         "--queue-idle", type=float, default=15.0, help="seconds of the queue alone, a round"
     )
+    parser.add_argument(
+        "--hog-seconds", type=float, default=30.0, help="seconds of the hog mode, a round"
+    )
     parser.add_argument("--child", choices=("sliced", "whole", "apart", "whole-apart"), dest="mode")
     parser.add_argument(
         "--queue-modes",
         default="none,sliced,whole",
         help="beside the queue, in rotation: none, sliced, whole, apart (sliced in a group"
-        " of its own: the machine's load without the group's lock), whole-apart (unsliced,"
-        " in a group of its own: what the issue measured), sliced@NAME=VALUE",
+        " of its own: the machine's load without the group's lock), hog (no recompute: one"
+        " backend counting on one core, --hog-seconds: the machine's floor), whole-apart (unsliced,"
+        " in a group of its own: what the issue measured), sliced@NAME=VALUE (a constant"
+        " of pgjobs.slices.body, or slice_pause)",
     )
     parser.add_argument("--retry-busy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--set",
         default="",
-        help="constants of pgjobs.slices.body for the sliced runs, e.g. WRITE_ROWS=200"
+        help="constants of pgjobs.slices.body for the sliced runs, e.g. WRITE_ROWS=200,"
+        " or the job's slice_pause"
         " (';' between several); a mode sliced@NAME=VALUE beside the queue sets them for it",
     )
     args = parser.parse_args()

@@ -70,6 +70,7 @@ from .jobs import (
     RecomputeJob,
     TaskJob,
     check_name,
+    check_pause,
     check_table,
 )
 from .locking import DEFAULT_NAMESPACE
@@ -129,6 +130,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "verify_every": ("recompute",),
     "sliced": ("recompute",),
     "slice_seconds": ("recompute",),
+    "slice_pause": ("recompute",),
     "batch_size": ("queue",),
     "workers": ("queue",),
     "max_attempts": ("queue",),
@@ -184,6 +186,7 @@ class JobOverride:
     verify_every: timedelta | None = None
     sliced: bool | None = None
     slice_seconds: timedelta | None = None
+    slice_pause: float | None = None
     batch_size: int | None = None
     workers: int | None = None
     max_attempts: int | None = None
@@ -460,6 +463,8 @@ class _Parser:
                     key, f"expected more than 0 and at most {MAX_SLICE_SECONDS.seconds} s", value
                 )
             return seconds
+        if name == "slice_pause":
+            return self.model(lambda: check_pause(value, key))
         if name in ("lock_timeout", "statement_timeout"):
             return self.model(lambda: parse_timeout(value, field=key))
         if name == "cron":

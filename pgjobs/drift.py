@@ -276,7 +276,8 @@ def _check_sliced(
     """A sliced job's check, slice by slice as its runs go (``docs/slices.md``):
     the key space cut in a first short transaction (with the plan check),
     then each slice's check in a transaction of its own, rolled back, its
-    size adapted to ``slice_seconds``. No snapshot is held across slices,
+    size adapted to ``slice_seconds``, the job's ``slice_pause`` between
+    them. No snapshot is held across slices,
     so the figures add up instants, as a sliced run does."""
     with conn.begin() as trans:
         try:
@@ -327,6 +328,8 @@ def _check_sliced(
             )
         pace = job.slice_target / max(seconds, 1e-3)
         first, count = last, max(1, int(count * min(4.0, max(0.25, pace))))
+        if job.slice_pause and first < len(edges) - 1:
+            time.sleep(job.slice_pause * seconds)  # as a run's slices rest (no transaction open)
     return CheckResult(
         job=job.name,
         target=target.label,

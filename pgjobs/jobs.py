@@ -48,6 +48,13 @@ Progress = Callable[[str, int | None, int | None], None]
 Statement = tuple[sql.Composed, Any]
 
 
+class Checkpoint(Protocol):
+    """``ctx.checkpoint(rest=0.0)``: commit, rest ``rest`` seconds outside
+    any transaction (cut short by a shutdown), go on in a new transaction."""
+
+    def __call__(self, *, rest: float = 0.0) -> None: ...
+
+
 @dataclass(kw_only=True)
 class RunContext:
     """What a job's body may use besides its connection."""
@@ -63,7 +70,7 @@ class RunContext:
     worker: str = ""
     #: commit what is written so far and continue in a new transaction, the
     #: group still locked; only for jobs that write in chunks
-    checkpoint: Callable[[], None] | None = None
+    checkpoint: Checkpoint | None = None
     #: statements (with parameters) the runner sends right before the job's
     #: COMMIT, in the same round trip: writes whose results nobody waits for
     before_commit: list[Statement] = field(default_factory=list)
@@ -184,6 +191,11 @@ MAX_CHUNK_ROWS = 10_000_000
 #: are a small part of it, short enough that no snapshot is held for long
 DEFAULT_SLICE_SECONDS = 2
 MAX_SLICE_SECONDS = timedelta(minutes=10)
+#: after each slice, a sliced recompute rests this share of the slice's time,
+#: outside any transaction, by default: the cores it leaves to the
+#: application meanwhile (``docs/slices.md``, "Its share of the machine")
+DEFAULT_SLICE_PAUSE = 0.0
+MAX_SLICE_PAUSE = 10.0
 #: the largest ``max_attempts``: an item that failed this often is parked
 MAX_ATTEMPTS = 1_000
 #: concurrent workers of one queue job in one process
@@ -217,6 +229,20 @@ def check_count(value: object, field: str, maximum: int) -> int:
             f"{field}: expected a positive integer, at most {maximum:,}, got {value!r}"
         )
     return value
+
+
+def check_pause(value: object, field: str) -> float:
+    """A share of a slice's time, from 0 to :data:`MAX_SLICE_PAUSE`."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not 0 <= value <= MAX_SLICE_PAUSE
+    ):
+        raise ConfigError(
+            f"{field}: expected a number from 0 to {MAX_SLICE_PAUSE:g} (a share of each"
+            f" slice's time), got {value!r}"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -559,6 +585,9 @@ class RecomputeJob(_DiffJob):
     sliced: bool = True
     #: the time a slice aims at: slices grow or shrink to take about this long
     slice_seconds: Duration = DEFAULT_SLICE_SECONDS
+    #: after each slice, rest this share of its time (0.25: a quarter),
+    #: outside any transaction: the machine's share the run leaves to others
+    slice_pause: float = DEFAULT_SLICE_PAUSE
 
     def __post_init__(self) -> None:
         _DiffJob.__post_init__(self)
@@ -573,6 +602,8 @@ class RecomputeJob(_DiffJob):
                 f" {format_duration(MAX_SLICE_SECONDS)}, got {self.slice_seconds!r}"
             )
         object.__setattr__(self, "slice_seconds", seconds)
+        pause = check_pause(self.slice_pause, f"{where}: slice_pause")
+        object.__setattr__(self, "slice_pause", pause)
         if self.slices:
             if self.atomic:
                 raise ConfigError(
@@ -713,15 +744,18 @@ class QueueJob(_DiffJob):
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_SLICE_PAUSE",
     "DEFAULT_SLICE_SECONDS",
     "MAX_ATTEMPTS",
     "MAX_BATCH",
     "MAX_CHUNK_ROWS",
+    "MAX_SLICE_PAUSE",
     "MAX_SLICE_SECONDS",
     "MAX_WORKERS",
     "MAX_WORKER_ITEMS",
     "RUN_SAVEPOINT",
     "Body",
+    "Checkpoint",
     "Computed",
     "Job",
     "Keys",
@@ -736,6 +770,7 @@ __all__ = [
     "TaskJob",
     "check_count",
     "check_name",
+    "check_pause",
     "check_table",
     "next_due_after_success",
 ]

@@ -189,6 +189,8 @@ class Tick:
         self.cancelled = False
         self.ending = False
         self._cancel_lock = threading.Lock()
+        #: set by a cancel: a checkpoint's rest ends at once
+        self._resting = threading.Event()
         self.started = runner.clock()
         self.state: JobState | None = None
         self.ctx = RunContext(
@@ -224,6 +226,7 @@ class Tick:
             if self.ending:
                 return
             self.cancelled = True
+            self._resting.set()
             conn = self.conn
             raw = None if conn.invalidated or conn.closed else conn.connection.driver_connection
             if isinstance(raw, psycopg.Connection):
@@ -459,9 +462,12 @@ class Tick:
             )
         return False
 
-    def _checkpoint(self) -> None:
-        """Commit what is written so far, and go on in a new transaction with
-        the job's settings and its savepoint (chunked writes). The first one
+    def _checkpoint(self, *, rest: float = 0.0) -> None:
+        """Commit what is written so far, rest ``rest`` seconds outside any
+        transaction (a sliced run's ``slice_pause``), and go on in a new
+        transaction with the job's settings and its savepoint (chunked
+        writes); a tick that a shutdown deadline cancelled meanwhile (the
+        cancel ends the rest at once) stops there, ``cancelled``. The first one
         takes the group's lock at session level too, which keeps the group
         across the commits (this session holds it already, in the
         transaction: it is granted at once). Each one checks that the
@@ -472,13 +478,21 @@ class Tick:
             self.session_locked = self.backend is not None
         self._queue_before_commit()
         send(self.conn, commit=self.trans)
+        if rest > 0:
+            self._rest(rest)
         self.trans = self.conn.begin()
+        if self.cancelled:
+            raise JobError(f"{self.job.name}: cancelled between two commits")
         # one round trip a chunk: the settings, the savepoint, and the check
         settings, params = set_local(_job_settings(self.job))
         later(self.conn, _SAVEPOINT_RUN)
         (now_on,) = send(self.conn, (sql.SQL("{}, pg_backend_pid()").format(settings), params))
         if self.backend is not None and (now_on.one() or (None,))[-1] != self.backend:
             raise JobError(_SESSION_CHANGED.format(name=self.job.name))
+
+    def _rest(self, seconds: float) -> None:
+        """Wait ``seconds``, or until :meth:`cancel`."""
+        self._resting.wait(seconds)
 
     def _commit(self, execution: Execution) -> RunResult:
         """Step 5: the run record (with the success state) and COMMIT, in one

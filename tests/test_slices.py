@@ -7,6 +7,7 @@ callback, called after each slice's commit), never sleeps."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +19,7 @@ import pgjobs
 import pgjobs.logs
 import pgjobs.slices.body
 import pgjobs.slices.progress
+import pgjobs.steps
 from pgjobs import ConfigError, RecomputeJob, Runner
 from pgjobs.config import load_config
 
@@ -91,6 +93,10 @@ def test_a_scope_makes_a_sliced_job_and_sliced_false_turns_it_off():
         ({"slice_seconds": "11m"}, "slice_seconds: expected more than 0 and at most 10m"),
         ({"slice_seconds": "soon"}, "slice_seconds"),
         ({"sliced": "yes"}, "sliced: expected true or false, got 'yes'"),
+        ({"slice_pause": -0.5}, r"slice_pause: expected a number from 0 to 10 .*, got -0.5"),
+        ({"slice_pause": 11}, r"slice_pause: expected a number from 0 to 10"),
+        ({"slice_pause": "1/4"}, r"slice_pause: .*, got '1/4'"),
+        ({"slice_pause": True}, r"slice_pause: .*, got True"),
         ({"scope": [1]}, r"scope: expected column names, got \[1\]"),
         ({"atomic": True}, "atomic: a sliced run"),
         ({"compute": lambda conn: []}, r"compute: a Python compute\(conn\) gives every key's rows"),
@@ -110,7 +116,7 @@ def test_pgjobs_toml_takes_scope_sliced_and_slice_seconds(tmp_path):
     path = tmp_path / "pgjobs.toml"
     path.write_text(
         '[jobs.totals]\nkind = "recompute"\ntarget = "derived"\nsql = "select 1"\n'
-        'scope = ["parent_id"]\nslice_seconds = "3s"\n'
+        'scope = ["parent_id"]\nslice_seconds = "3s"\nslice_pause = 0.5\n'
         '[jobs.whole]\nkind = "recompute"\ntarget = "derived"\nsql = "select 1"\n'
         'scope = "parent_id"\nsliced = false\n'
     )
@@ -118,6 +124,7 @@ def test_pgjobs_toml_takes_scope_sliced_and_slice_seconds(tmp_path):
     totals, whole = jobs["totals"], jobs["whole"]
     assert isinstance(totals, RecomputeJob) and isinstance(whole, RecomputeJob)
     assert totals.slices and totals.slice_target == 3 and totals.scope == ("parent_id",)
+    assert totals.slice_pause == 0.5 and whole.slice_pause == pgjobs.jobs.DEFAULT_SLICE_PAUSE
     assert not whole.slices
 
 
@@ -126,6 +133,8 @@ def test_pgjobs_toml_takes_scope_sliced_and_slice_seconds(tmp_path):
     [
         ('slice_seconds = "0s"', "jobs.totals.slice_seconds: expected more than 0"),
         ("sliced = 1", "jobs.totals.sliced: expected true or false, got 1"),
+        ("slice_pause = -1", "jobs.totals.slice_pause: expected a number from 0 to 10"),
+        ('slice_pause = "a lot"', "jobs.totals.slice_pause: .*, got 'a lot'"),
         ("scope = []", "jobs.totals.scope: expected a column name or a list"),
     ],
 )
@@ -323,6 +332,70 @@ def test_a_slice_failing_half_way_keeps_the_slices_before_it_and_the_next_run_re
     assert resumed.stats.inserted == 3 * PARENTS
     sliced = resumed.detail["sliced"]
     assert sliced["slices_here"] == sliced["slices"] - run.done  # only what was left here
+    assert wrong_rows(db) == (0, 0)
+
+
+def _seen_by_others(engine: Engine, tick: Any) -> tuple[str, Any, int]:
+    """The tick's session as another one sees it: its state, its snapshot's
+    xmin, and how many derived rows are visible (committed)."""
+    pid = tick.conn.connection.driver_connection.info.backend_pid
+    with engine.connect() as conn:
+        state, xmin = conn.execute(
+            text("select state, backend_xmin from pg_stat_activity where pid = :p"), {"p": pid}
+        ).one()
+        rows = conn.execute(text("select count(*) from derived")).scalar_one()
+    return state, xmin, rows
+
+
+def test_the_pause_after_each_slice_holds_no_transaction_the_last_has_none(db, monkeypatch):
+    pauses: list[tuple[float, tuple[str, Any, int]]] = []
+    rest = pgjobs.steps.Tick._rest
+
+    def resting(tick: Any, seconds: float) -> None:
+        pauses.append((seconds, _seen_by_others(db, tick)))
+        rest(tick, seconds)
+
+    monkeypatch.setattr(pgjobs.steps.Tick, "_rest", resting)
+    with Runner(db) as runner:
+        done = runner.tick(job(slice_pause=0.5), force=True)
+    assert done.outcome == "ran", done.error
+    assert wrong_rows(db) == (0, 0)
+    # a pause after every slice but the last, of half the slice's time
+    assert len(pauses) == done.slices - 1 >= 2
+    assert all(0 < seconds < 0.5 * WAIT for seconds, _ in pauses)
+    for _, (state, xmin, rows) in pauses:
+        # outside any transaction: no snapshot, the slice's rows committed
+        assert (state, xmin) == ("idle", None)
+        assert 0 < rows < 3 * PARENTS
+    with Runner(db) as runner:  # none by default
+        pauses.clear()
+        assert runner.tick(job(), force=True).outcome == "ran"
+    assert pauses == []
+
+
+def test_a_shutdown_cancel_during_the_pause_ends_it_and_the_tick_at_once(db, monkeypatch):
+    waited: list[float] = []
+    rest = pgjobs.steps.Tick._rest
+
+    def resting(tick: Any, seconds: float) -> None:
+        canceller = threading.Thread(target=tick.cancel)  # as the shutdown deadline does
+        canceller.start()
+        started = time.monotonic()
+        rest(tick, WAIT)  # a long pause: the cancel ends it
+        waited.append(time.monotonic() - started)
+        canceller.join(WAIT)
+
+    monkeypatch.setattr(pgjobs.steps.Tick, "_rest", resting)
+    with Runner(db) as runner:
+        cut = runner.tick(job(slice_pause=1, slice_seconds="10m"), force=True)
+    assert cut.outcome == "cancelled", cut.error
+    assert len(waited) == 1 and waited[0] < WAIT / 2
+    with db.connect() as conn:
+        run = conn.execute(text("select done, pieces from pgjobs.slice_run")).one()
+    assert run.done == 1 < run.pieces  # the first slice stays committed
+    monkeypatch.undo()
+    resumed = pgjobs.run_once(job(), db, force=True)
+    assert resumed.outcome == "ran" and resumed.resumed
     assert wrong_rows(db) == (0, 0)
 
 

@@ -10,7 +10,8 @@ range, so vanished keys are deleted) and writes them with the diff writer's
 guarantees, flow's exclusion included, in chunks of about
 :data:`WRITE_ROWS` rows, each its own transaction under the group's write
 lock (``ctx.checkpoint``: the group's queue workers get in between), the
-last one marking the pieces done. The slice that does the run's last piece
+last one marking the pieces done; then the job's ``slice_pause``, outside
+any transaction, before the next slice. The slice that does the run's last piece
 records the run with the sums of every slice; a tick that finds the rest
 taken by other processes ends ``busy``, saying that it joined. The
 reasons: ``docs/DESIGN.md``, "Slices"; the figures: ``docs/slices.md``.
@@ -212,8 +213,9 @@ def run_sliced(
             # shared: slices shrink towards the run's end, so that the
             # processes end together, not one alone for a whole slice
             count = max(1, min(count, (total - done) // (SHARE * runs.processes)))
-        ctx.checkpoint()
-        ctx.report("slices", done, total)  # committed
+        # committed; then the pause, outside any transaction (slice_pause)
+        ctx.checkpoint(rest=job.slice_pause * seconds)
+        ctx.report("slices", done, total)
 
 
 def _between(
