@@ -22,11 +22,13 @@ progress rows), then the next run's time against a full run's (``--kill``).
 And the queue beside it (``--queue-rate 400``, then only this): users
 enqueue that many new keys a second to the group's queue job, which
 ``pgjobs run`` (a child process) works throughout, while a sliced
-recompute runs, an unsliced one, or none (for as long as the sliced one
-took), in an order rotating round by round. Each key's lag: from the
-commit of its enqueue (the user's clock after the commit returned) to the
-compute that wrote its row (``clock_timestamp()`` in the queue job's SQL,
-the same machine's clock); p50 / p95 / max of the keys enqueued in each.
+recompute runs, an unsliced one, none (``--queue-idle`` seconds), or a
+``hog`` (no recompute: one backend counting on one core for
+``--hog-seconds``, the machine's floor), in an order rotating round by
+round. Each key's lag: from the commit of its enqueue (the user's clock
+after the commit returned) to the compute that wrote its row
+(``clock_timestamp()`` in the queue job's SQL, the same machine's clock);
+p50 / p95 / p99 / max of the keys enqueued in each.
 
     PGJOBS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test \\
         python benchmarks/slice_bench.py --parents 200000      # small first
