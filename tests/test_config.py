@@ -330,6 +330,7 @@ OVERRIDES: list[tuple[str, str, str, Any]] = [
     ("verify_every", '"2h"', "verify_every", timedelta(hours=2)),
     ("sliced", "false", "sliced", False),
     ("slice_seconds", '"5s"', "slice_seconds", timedelta(seconds=5)),
+    ("slice_pause", "0.25", "slice_pause", 0.25),
     ("batch_size", "7", "batch_size", 7),
     ("workers", "3", "workers", 3),
     ("max_attempts", "9", "max_attempts", 9),
