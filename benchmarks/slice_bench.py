@@ -220,6 +220,8 @@ def collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 # -- the queue beside it ----------------------------------------------------------------
 QUEUE_JOB = "bench_queue"
+#: the modes beside the queue that run no recompute (nothing to change first, nothing traced)
+NO_RECOMPUTE = ("none", "hog")
 QUEUE_CONFIG = f"""
 [jobs.{QUEUE_JOB}]
 kind = "queue"
@@ -399,10 +401,9 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
         for r in range(args.rounds):
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
-                if mode not in (
-                    "none",
-                    "hog",
-                ):  # (none repairs them: the next run would find twice as many)
+                # (a mode that runs no recompute repairs nothing: the next run
+                # would find twice as many)
+                if mode not in NO_RECOMPUTE:
                     changed = change(url, args.changed, 20 + 3 * r + len(rows))
                     print(f"queue round {r + 1}: {changed} parents changed")
                 with Enqueuers(url, args.queue_rate, first_key) as users:
@@ -418,7 +419,7 @@ def queue_beside(args: Any, url: str) -> list[dict[str, Any]]:
                     wall = time.perf_counter() - started
                 first_key += span
                 lags = queue_lags(url, users.committed)
-                held = windows(trace_to) if mode not in ("none", "hog") else []
+                held = windows(trace_to) if mode not in NO_RECOMPUTE else []
                 row = {
                     "run": f"queue at {args.queue_rate:g}/s, recompute: {mode}",
                     "wall_s": round(wall, 2),
